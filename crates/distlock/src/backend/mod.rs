@@ -1,0 +1,87 @@
+//! Stores a lock can live in. Each backend implements the same five operations with the same
+//! semantics; everything above them (tokens, waiting, watchdog, loss signal) is shared.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::{LockError, LockName, OwnerId, Token};
+
+pub(crate) mod memory;
+pub(crate) mod redis;
+pub(crate) mod waiters;
+
+pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What kind of lock an operation is on.
+#[derive(Clone, Debug)]
+pub(crate) enum Mode {
+    /// One holder at a time; the value is the holder's token.
+    Exclusive,
+    /// Exclusive, plus a completion record: once a record is stored, acquisitions return it.
+    /// `tag` is stored while the lock is held and shown to contenders.
+    Once { tag: Bytes, retention: Duration },
+    /// Nested acquisitions by one owner; the token identifies one hold.
+    Reentrant { owner: OwnerId },
+}
+
+/// One operation on one lock by one acquisition (identified by its token).
+#[derive(Clone, Debug)]
+pub(crate) struct Op {
+    pub(crate) name: LockName,
+    pub(crate) token: Token,
+    pub(crate) lease: Duration,
+    pub(crate) state_ttl: Option<Duration>,
+    pub(crate) mode: Mode,
+}
+
+impl Op {
+    /// Expiry of the state key in milliseconds, 0 for none. A `Once` keeps its state for the
+    /// record retention.
+    pub(crate) fn state_ttl_ms(&self) -> u64 {
+        let ttl = match &self.mode {
+            Mode::Once { retention, .. } => Some(*retention),
+            _ => self.state_ttl,
+        };
+        ttl.map_or(0, millis)
+    }
+}
+
+pub(crate) fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+/// Outcome of one acquisition attempt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Attempt {
+    /// Taken; the fencing token of this hold.
+    Acquired { fence: u64 },
+    /// Held by someone else; remaining lease if known, and the holder's tag (`Once`).
+    Held {
+        ttl: Option<Duration>,
+        tag: Option<Bytes>,
+    },
+    /// (`Once` only) A completion record exists.
+    Done { record: Bytes },
+}
+
+/// The operations a store must provide. All are atomic in the store.
+pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
+    /// Takes the lock if free (or already held by this very token), else reports the holder.
+    fn acquire<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<Attempt, LockError>>;
+    /// Sets the lease to `lease` if the lock is still held by `op.token`.
+    fn extend<'a>(&'a self, op: &'a Op, lease: Duration) -> BoxFuture<'a, Result<bool, LockError>>;
+    /// Deletes the lock (one hold of a reentrant lock) if held by `op.token`, and announces it.
+    fn release<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<bool, LockError>>;
+    /// (`Once`) Stores `record` and releases, if the lock is still held by `op.token`.
+    fn complete<'a>(&'a self, op: &'a Op, record: &'a [u8])
+    -> BoxFuture<'a, Result<bool, LockError>>;
+    /// Where waiters register for release notifications.
+    fn waiters(&self) -> &Arc<waiters::Waiters>;
+    /// A short description for logs ("redis", "memory", ...).
+    fn describe(&self) -> String;
+}

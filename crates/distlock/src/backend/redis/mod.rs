@@ -1,0 +1,300 @@
+//! The lock on one Redis (standalone, a Sentinel-managed master, or a Redis Cluster): every
+//! operation is one `EVALSHA` of a script from `scripts/`, generic over any
+//! `redis::aio::ConnectionLike` that can be cloned (multiplexed, managed or cluster connections).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use redis::Value;
+use redis::aio::ConnectionLike;
+
+use super::waiters::Waiters;
+use super::{Attempt, Backend, BoxFuture, Mode, Op, millis};
+use crate::LockError;
+
+mod notify;
+mod scripts;
+
+pub(crate) use notify::spawn_notifier;
+use scripts::SCRIPTS;
+
+/// A connection Redis lock operations can be sent on.
+pub(crate) trait Conn: ConnectionLike + Clone + Send + Sync + 'static {}
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> Conn for C {}
+
+pub(crate) struct RedisBackend<C> {
+    conn: C,
+    waiters: Arc<Waiters>,
+    describe: String,
+}
+
+impl<C> std::fmt::Debug for RedisBackend<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisBackend")
+            .field("describe", &self.describe)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: Conn> RedisBackend<C> {
+    pub(crate) fn new(conn: C, waiters: Arc<Waiters>, describe: String) -> Self {
+        RedisBackend {
+            conn,
+            waiters,
+            describe,
+        }
+    }
+}
+
+fn int(v: &Value) -> Option<i64> {
+    match v {
+        Value::Int(i) => Some(*i),
+        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+        _ => None,
+    }
+}
+
+fn bytes(v: Value) -> Option<Bytes> {
+    match v {
+        Value::BulkString(b) => Some(Bytes::from(b)),
+        Value::SimpleString(s) => Some(Bytes::from(s)),
+        _ => None,
+    }
+}
+
+/// Parses the reply of the acquire scripts: `{1, fence}`, `{0, pttl[, tag]}` or `{2, record}`.
+pub(crate) fn parse_attempt(name: &str, reply: Value) -> Result<Attempt, LockError> {
+    let bad = |detail: &str| LockError::protocol(name, format!("acquire: {detail}"));
+    let Value::Array(items) = reply else {
+        return Err(bad("not an array"));
+    };
+    let mut items = items.into_iter();
+    let status = items.next().as_ref().and_then(int).ok_or_else(|| bad("no status"))?;
+    match status {
+        1 => {
+            let fence = items.next().as_ref().and_then(int).ok_or_else(|| bad("no fence"))?;
+            let fence = u64::try_from(fence).map_err(|_| bad("negative fence"))?;
+            Ok(Attempt::Acquired { fence })
+        }
+        0 => {
+            let pttl = items.next().as_ref().and_then(int).ok_or_else(|| bad("no ttl"))?;
+            let ttl = match pttl {
+                // The key has no expiry: someone set it without a lease.
+                -1 => None,
+                // Gone since the check: free now.
+                p if p < 0 => Some(Duration::ZERO),
+                p => Some(Duration::from_millis(p as u64)),
+            };
+            let tag = items.next().and_then(bytes);
+            Ok(Attempt::Held { ttl, tag })
+        }
+        2 => {
+            let record = items.next().and_then(bytes).ok_or_else(|| bad("no record"))?;
+            Ok(Attempt::Done { record })
+        }
+        other => Err(bad(&format!("unknown status {other}"))),
+    }
+}
+
+fn parse_flag(name: &str, what: &str, reply: Value) -> Result<bool, LockError> {
+    match int(&reply) {
+        Some(1) => Ok(true),
+        Some(0) => Ok(false),
+        _ => Err(LockError::protocol(
+            name,
+            format!("{what}: unexpected reply {reply:?}"),
+        )),
+    }
+}
+
+impl<C: Conn> RedisBackend<C> {
+    async fn eval(
+        &self,
+        op: &Op,
+        ambiguous: bool,
+        invocation: redis::ScriptInvocation<'_>,
+    ) -> Result<Value, LockError> {
+        let mut conn = self.conn.clone();
+        invocation
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| LockError::from_redis(op.name.as_str(), ambiguous, e))
+    }
+}
+
+impl<C: Conn> Backend for RedisBackend<C> {
+    fn acquire<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        Box::pin(async move {
+            let mut inv = match &op.mode {
+                Mode::Reentrant { .. } => SCRIPTS.reentrant_acquire.prepare_invoke(),
+                _ => SCRIPTS.acquire.prepare_invoke(),
+            };
+            inv.key(op.name.lock_key()).key(op.name.state_key());
+            match &op.mode {
+                Mode::Exclusive => {
+                    inv.arg(op.token.as_str())
+                        .arg(millis(op.lease))
+                        .arg(op.state_ttl_ms())
+                        .arg("x");
+                }
+                Mode::Once { tag, .. } => {
+                    inv.arg(op.token.as_str())
+                        .arg(millis(op.lease))
+                        .arg(op.state_ttl_ms())
+                        .arg("o")
+                        .arg(tag.as_ref());
+                }
+                Mode::Reentrant { owner } => {
+                    inv.arg(owner.as_str())
+                        .arg(millis(op.lease))
+                        .arg(op.state_ttl_ms())
+                        .arg(op.token.as_str());
+                }
+            }
+            let reply = self.eval(op, true, inv).await?;
+            parse_attempt(op.name.as_str(), reply)
+        })
+    }
+
+    fn extend<'a>(&'a self, op: &'a Op, lease: Duration) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            let inv = match &op.mode {
+                Mode::Reentrant { owner } => {
+                    let mut inv = SCRIPTS.reentrant_extend.prepare_invoke();
+                    inv.key(op.name.lock_key())
+                        .key(op.name.state_key())
+                        .arg(owner.as_str())
+                        .arg(millis(lease))
+                        .arg(op.state_ttl_ms())
+                        .arg(op.token.as_str());
+                    inv
+                }
+                _ => {
+                    let mut inv = SCRIPTS.extend.prepare_invoke();
+                    inv.key(op.name.lock_key())
+                        .key(op.name.state_key())
+                        .arg(op.token.as_str())
+                        .arg(millis(lease))
+                        .arg(op.state_ttl_ms());
+                    inv
+                }
+            };
+            let reply = self.eval(op, false, inv).await?;
+            parse_flag(op.name.as_str(), "extend", reply)
+        })
+    }
+
+    fn release<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            let inv = match &op.mode {
+                Mode::Reentrant { owner } => {
+                    let mut inv = SCRIPTS.reentrant_release.prepare_invoke();
+                    inv.key(op.name.lock_key())
+                        .arg(owner.as_str())
+                        .arg(op.token.as_str());
+                    inv
+                }
+                _ => {
+                    let mut inv = SCRIPTS.release.prepare_invoke();
+                    inv.key(op.name.lock_key()).arg(op.token.as_str());
+                    inv
+                }
+            };
+            let reply = self.eval(op, false, inv).await?;
+            parse_flag(op.name.as_str(), "release", reply)
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        op: &'a Op,
+        record: &'a [u8],
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            let mut inv = SCRIPTS.complete.prepare_invoke();
+            inv.key(op.name.lock_key())
+                .key(op.name.state_key())
+                .arg(op.token.as_str())
+                .arg(record)
+                .arg(op.state_ttl_ms());
+            let reply = self.eval(op, true, inv).await?;
+            parse_flag(op.name.as_str(), "complete", reply)
+        })
+    }
+
+    fn waiters(&self) -> &Arc<Waiters> {
+        &self.waiters
+    }
+
+    fn describe(&self) -> String {
+        self.describe.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arr(v: Vec<Value>) -> Value {
+        Value::Array(v)
+    }
+
+    #[test]
+    fn parses_every_acquire_reply() {
+        assert_eq!(
+            parse_attempt("k", arr(vec![Value::Int(1), Value::Int(7)])).unwrap(),
+            Attempt::Acquired { fence: 7 }
+        );
+        assert_eq!(
+            parse_attempt("k", arr(vec![Value::Int(0), Value::Int(1500)])).unwrap(),
+            Attempt::Held {
+                ttl: Some(Duration::from_millis(1500)),
+                tag: None
+            }
+        );
+        assert_eq!(
+            parse_attempt(
+                "k",
+                arr(vec![
+                    Value::Int(0),
+                    Value::Int(-1),
+                    Value::BulkString(b"fp".to_vec())
+                ])
+            )
+            .unwrap(),
+            Attempt::Held {
+                ttl: None,
+                tag: Some(Bytes::from_static(b"fp"))
+            }
+        );
+        assert_eq!(
+            parse_attempt(
+                "k",
+                arr(vec![Value::Int(2), Value::BulkString(b"rec".to_vec())])
+            )
+            .unwrap(),
+            Attempt::Done {
+                record: Bytes::from_static(b"rec")
+            }
+        );
+    }
+
+    #[test]
+    fn malformed_replies_are_protocol_errors() {
+        for reply in [
+            Value::Nil,
+            arr(vec![]),
+            arr(vec![Value::Int(1)]),
+            arr(vec![Value::Int(1), Value::Int(-3)]),
+            arr(vec![Value::Int(9), Value::Int(0)]),
+            arr(vec![Value::Int(2)]),
+        ] {
+            assert!(
+                matches!(parse_attempt("k", reply.clone()), Err(LockError::Protocol { .. })),
+                "{reply:?}"
+            );
+        }
+        assert!(parse_flag("k", "release", Value::Nil).is_err());
+    }
+}

@@ -1,0 +1,19 @@
+-- Completes a once-lock: stores the record and releases the lock, only if the lock still holds
+-- our token. A holder whose lease was lost stores nothing.
+--
+-- KEYS[1]  lock key
+-- KEYS[2]  state key
+-- ARGV[1]  owner token
+-- ARGV[2]  the record
+-- ARGV[3]  retention of the record in milliseconds
+--
+-- Returns 1 if stored, 0 if the lock was not ours any more.
+if redis.pcall('GET', KEYS[1]) == ARGV[1] then
+  redis.call('HSET', KEYS[2], 'd', ARGV[2])
+  redis.call('HDEL', KEYS[2], 'm')
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', KEYS[1] .. ':rel', '')
+  return 1
+end
+return 0

@@ -1,0 +1,18 @@
+-- Removes one hold of a reentrant lock; the last hold deletes the lock and announces the release.
+--
+-- KEYS[1]  lock key
+-- ARGV[1]  owner id
+-- ARGV[2]  hold token
+--
+-- Returns 1 if the hold was ours and is removed, 0 otherwise (nothing is touched).
+if redis.call('TYPE', KEYS[1]).ok == 'hash'
+    and redis.call('HGET', KEYS[1], 'o') == ARGV[1]
+    and redis.call('HDEL', KEYS[1], 'h:' .. ARGV[2]) == 1 then
+  -- o and f are the only fields left when no hold remains.
+  if redis.call('HLEN', KEYS[1]) <= 2 then
+    redis.call('DEL', KEYS[1])
+    redis.call('PUBLISH', KEYS[1] .. ':rel', '')
+  end
+  return 1
+end
+return 0

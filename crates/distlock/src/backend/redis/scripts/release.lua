@@ -1,0 +1,14 @@
+-- Deletes the lock only if it still holds our token (compare-and-delete), then announces the
+-- release so that waiters wake up instead of polling.
+--
+-- KEYS[1]  lock key
+-- ARGV[1]  owner token
+--
+-- Returns 1 if the lock was ours and is now deleted, 0 if it was not ours (expired, or taken by
+-- someone else after it expired): then nothing is touched.
+if redis.pcall('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', KEYS[1] .. ':rel', '')
+  return 1
+end
+return 0

@@ -1,0 +1,256 @@
+//! Errors and the reasons a lease can be lost.
+
+use std::time::Duration;
+
+/// Why a lock operation did not succeed.
+///
+/// The variants keep apart what callers must treat differently: another owner holds the lock
+/// ([`LockError::Held`]), the wait deadline passed ([`LockError::WaitTimeout`]), the store could not
+/// be reached or did not answer in time ([`LockError::Unavailable`]), and a lease that was held and
+/// is now lost ([`LockError::LeaseLost`]).
+///
+/// ```
+/// use distlock::LockError;
+///
+/// fn retry_later(err: &LockError) -> bool {
+///     matches!(err, LockError::Held { .. } | LockError::WaitTimeout { .. })
+/// }
+/// # let _ = retry_later;
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LockError {
+    /// Another owner holds the lock (one attempt, no waiting).
+    #[error("lock {name:?} is held by another owner{}", fmt_retry(*retry_after))]
+    Held {
+        /// The lock name.
+        name: String,
+        /// Remaining lease of the current holder, when the store reported it.
+        retry_after: Option<Duration>,
+    },
+    /// The wait deadline passed before the lock became free.
+    #[error("gave up waiting for lock {name:?} after {waited:?}")]
+    WaitTimeout {
+        /// The lock name.
+        name: String,
+        /// How long the call waited.
+        waited: Duration,
+    },
+    /// The store could not be reached or did not answer in time. When `ambiguous` is true the
+    /// failed command may still have taken the lock; a cleanup with the attempt's owner token was
+    /// sent, and the lease bounds how long such a lock can live.
+    #[error("redis unavailable for lock {name:?}{}", if *ambiguous { " (the attempt may have taken the lock; cleanup sent)" } else { "" })]
+    Unavailable {
+        /// The lock name.
+        name: String,
+        /// Whether the failed command may have acquired the lock.
+        ambiguous: bool,
+        /// The Redis error (I/O, timeout, connection refused, cluster down, ...).
+        #[source]
+        source: redis::RedisError,
+    },
+    /// Redis answered with an error that retrying will not fix (for example the key holds a value
+    /// of another type, or a script failed).
+    #[error("redis refused the command for lock {name:?}")]
+    Redis {
+        /// The lock name.
+        name: String,
+        /// The error Redis returned.
+        #[source]
+        source: redis::RedisError,
+    },
+    /// Fewer nodes than a quorum confirmed the operation (Redlock).
+    #[error("lock {name:?}: {confirmed} of {nodes} nodes confirmed, a quorum of {quorum} is needed")]
+    NoQuorum {
+        /// The lock name.
+        name: String,
+        /// Nodes that confirmed in time.
+        confirmed: usize,
+        /// Nodes in the group.
+        nodes: usize,
+        /// Nodes that must confirm.
+        quorum: usize,
+        /// The last error a node returned, if any.
+        #[source]
+        source: Option<redis::RedisError>,
+    },
+    /// The in-memory store is at its configured capacity with locks that are all held.
+    #[error("in-memory lock store is full ({entries} entries); lock {name:?} was not taken")]
+    Capacity {
+        /// The lock name.
+        name: String,
+        /// Entries in the store.
+        entries: usize,
+    },
+    /// The lease was lost: it could not be renewed in time, another owner took the lock, or the
+    /// hold cap was reached.
+    #[error("lease on lock {name:?} lost: {reason}")]
+    LeaseLost {
+        /// The lock name.
+        name: String,
+        /// Why the lease is lost.
+        reason: LossReason,
+    },
+    /// A name, prefix or configuration was refused (see [`ConfigError`](crate::ConfigError)).
+    #[error(transparent)]
+    Config(#[from] crate::ConfigError),
+    /// The store replied with something this version does not understand.
+    #[error("unexpected reply for lock {name:?}: {detail}")]
+    Protocol {
+        /// The lock name.
+        name: String,
+        /// What was unexpected.
+        detail: String,
+    },
+}
+
+fn fmt_retry(retry_after: Option<Duration>) -> String {
+    match retry_after {
+        Some(d) => format!(" (lease ends in {d:?})"),
+        None => String::new(),
+    }
+}
+
+impl LockError {
+    /// Whether the error means the store could not be reached (as opposed to an answer).
+    ///
+    /// ```
+    /// use distlock::LockError;
+    /// let err = LockError::Held { name: "x".into(), retry_after: None };
+    /// assert!(!err.is_unavailable());
+    /// ```
+    pub fn is_unavailable(&self) -> bool {
+        matches!(
+            self,
+            LockError::Unavailable { .. } | LockError::NoQuorum { .. }
+        )
+    }
+
+    /// Maps a Redis error to `Unavailable` (connection, timeout, cluster or failover states that a
+    /// retry may fix) or `Redis` (an answer that a retry will not change).
+    pub(crate) fn from_redis(name: &str, ambiguous: bool, source: redis::RedisError) -> Self {
+        use redis::{ErrorKind, ServerErrorKind};
+        let transient = match source.kind() {
+            ErrorKind::Server(kind) => matches!(
+                kind,
+                ServerErrorKind::BusyLoading
+                    | ServerErrorKind::TryAgain
+                    | ServerErrorKind::ClusterDown
+                    | ServerErrorKind::MasterDown
+                    | ServerErrorKind::ReadOnly
+                    | ServerErrorKind::Moved
+                    | ServerErrorKind::Ask
+            ),
+            ErrorKind::Extension => matches!(source.code(), Some("BUSY") | Some("NOREPLICAS")),
+            ErrorKind::Parse | ErrorKind::UnexpectedReturnType => false,
+            _ => true,
+        };
+        if transient {
+            LockError::Unavailable {
+                name: name.to_owned(),
+                ambiguous,
+                source,
+            }
+        } else {
+            LockError::Redis {
+                name: name.to_owned(),
+                source,
+            }
+        }
+    }
+
+    pub(crate) fn timeout(name: &str, ambiguous: bool, after: Duration) -> Self {
+        let io = std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no reply within {after:?}"),
+        );
+        LockError::Unavailable {
+            name: name.to_owned(),
+            ambiguous,
+            source: redis::RedisError::from(io),
+        }
+    }
+
+    pub(crate) fn protocol(name: &str, detail: impl Into<String>) -> Self {
+        LockError::Protocol {
+            name: name.to_owned(),
+            detail: detail.into(),
+        }
+    }
+
+    /// Marks an `Unavailable` error as ambiguous (the command may have taken effect).
+    pub(crate) fn into_ambiguous(self) -> Self {
+        match self {
+            LockError::Unavailable { name, source, .. } => LockError::Unavailable {
+                name,
+                ambiguous: true,
+                source,
+            },
+            other => other,
+        }
+    }
+}
+
+/// Why a lease is no longer held.
+///
+/// ```
+/// use distlock::LossReason;
+/// assert_eq!(LossReason::Expired.to_string(), "no renewal was confirmed before the lease ran out");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LossReason {
+    /// No acquisition or renewal was confirmed recently enough: the lease ran out (minus the drift
+    /// allowance) while the store was slow or unreachable.
+    Expired,
+    /// A renewal found the lock gone or owned by someone else.
+    NotOwner,
+    /// The configured cap on the total hold time was reached.
+    HoldLimit,
+    /// The holder released the lock (or completed it): not a failure, but the lease is over.
+    Released,
+}
+
+impl std::fmt::Display for LossReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LossReason::Expired => "no renewal was confirmed before the lease ran out",
+            LossReason::NotOwner => "the lock is gone or owned by someone else",
+            LossReason::HoldLimit => "the hold time cap was reached",
+            LossReason::Released => "the lock was released by its holder",
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_errors_are_unavailable_and_script_errors_are_not() {
+        let io = redis::RedisError::from(std::io::Error::from(
+            std::io::ErrorKind::ConnectionRefused,
+        ));
+        assert!(LockError::from_redis("k", false, io).is_unavailable());
+        let wrongtype = redis::RedisError::from((
+            redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError),
+            "WRONGTYPE",
+        ));
+        assert!(matches!(
+            LockError::from_redis("k", false, wrongtype),
+            LockError::Redis { .. }
+        ));
+    }
+
+    #[test]
+    fn timeout_is_unavailable_and_keeps_ambiguity() {
+        let err = LockError::timeout("k", false, Duration::from_millis(5)).into_ambiguous();
+        match err {
+            LockError::Unavailable { ambiguous, source, .. } => {
+                assert!(ambiguous);
+                assert!(source.is_timeout());
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

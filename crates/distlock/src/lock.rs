@@ -1,0 +1,261 @@
+//! A lock handle, and the acquisition machinery every lock kind shares: one attempt with its
+//! ambiguity cleanup, and waiting by notification with a polling fallback.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::backend::{Attempt, Backend, Mode, Op};
+use crate::{Backoff, LockClient, LockConfig, LockError, LockGuard, LockName, OwnerId, Token};
+
+/// A named lock. Cheap to clone; make one per name and acquire it as often as needed.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), distlock::LockError> {
+/// use std::time::Duration;
+/// let client = distlock::LockClient::memory();
+/// let lock = client.lock("nightly-report")?;
+/// let guard = lock.acquire(Duration::from_secs(30)).await?;
+/// // ... work, passing guard.fence() to every write ...
+/// guard.release().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Lock {
+    client: LockClient,
+    name: LockName,
+    owner: Option<OwnerId>,
+    config: Arc<LockConfig>,
+}
+
+impl Lock {
+    pub(crate) fn new(client: LockClient, name: LockName, owner: Option<OwnerId>) -> Self {
+        let config = Arc::new(client.config().clone());
+        Lock {
+            client,
+            name,
+            owner,
+            config,
+        }
+    }
+
+    /// The same lock with other timing.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// let short = distlock::LockConfig::builder().lease(Duration::from_secs(2)).build()?;
+    /// let lock = distlock::LockClient::memory().lock("job")?.with_config(short);
+    /// assert_eq!(lock.config().lease(), Duration::from_secs(2));
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn with_config(mut self, config: LockConfig) -> Self {
+        self.config = Arc::new(config);
+        self
+    }
+
+    /// The lock name and its keys.
+    ///
+    /// ```
+    /// let lock = distlock::LockClient::memory().lock("job").unwrap();
+    /// assert_eq!(lock.name().lock_key(), "distlock:{job}");
+    /// ```
+    pub fn name(&self) -> &LockName {
+        &self.name
+    }
+
+    /// The timing this lock runs with.
+    ///
+    /// ```
+    /// let lock = distlock::LockClient::memory().lock("job").unwrap();
+    /// assert_eq!(lock.config(), &distlock::LockConfig::default());
+    /// ```
+    pub fn config(&self) -> &LockConfig {
+        &self.config
+    }
+
+    fn op(&self) -> Op {
+        Op {
+            name: self.name.clone(),
+            token: Token::random(),
+            lease: self.config.lease(),
+            state_ttl: self.config.fence_ttl(),
+            mode: match &self.owner {
+                Some(owner) => Mode::Reentrant {
+                    owner: owner.clone(),
+                },
+                None => Mode::Exclusive,
+            },
+        }
+    }
+
+    /// One attempt: the lock if it is free (or, for a reentrant lock, held by the same owner).
+    ///
+    /// # Errors
+    /// [`LockError::Held`] if another owner holds it; [`LockError::Unavailable`] if the store
+    /// could not be reached (a cleanup is sent when the attempt may have succeeded).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// let lock = distlock::LockClient::memory().lock("job")?;
+    /// let _guard = lock.try_acquire().await?;
+    /// match lock.try_acquire().await {
+    ///     Err(distlock::LockError::Held { retry_after, .. }) => assert!(retry_after.is_some()),
+    ///     other => panic!("{other:?}"),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn try_acquire(&self) -> Result<LockGuard, LockError> {
+        self.acquire_with(None).await
+    }
+
+    /// Waits up to `wait` for the lock: woken by release notifications, backed by polling with
+    /// exponential backoff and full jitter (capped by the holder's remaining lease, so a crashed
+    /// holder's lock is taken as soon as it expires).
+    ///
+    /// # Errors
+    /// [`LockError::WaitTimeout`] when `wait` passes; [`LockError::Unavailable`] as soon as the
+    /// store cannot be reached (not at the deadline).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// use std::time::Duration;
+    /// let lock = distlock::LockClient::memory().lock("job")?;
+    /// let first = lock.try_acquire().await?;
+    /// let waiter = tokio::spawn({
+    ///     let lock = lock.clone();
+    ///     async move { lock.acquire(Duration::from_secs(5)).await.map(|g| g.fence()) }
+    /// });
+    /// tokio::time::sleep(Duration::from_millis(20)).await;
+    /// first.release().await?;
+    /// assert_eq!(waiter.await.unwrap()?, 2);
+    /// # Ok(()) }
+    /// ```
+    pub async fn acquire(&self, wait: Duration) -> Result<LockGuard, LockError> {
+        self.acquire_with(Some(Instant::now() + wait)).await
+    }
+
+    async fn acquire_with(&self, deadline: Option<Instant>) -> Result<LockGuard, LockError> {
+        let started = Instant::now();
+        let op = self.op();
+        let backend = self.client.backend();
+        let (attempt, sent) = acquire_until(backend, &op, &self.config, deadline).await?;
+        match attempt {
+            Attempt::Acquired { fence } => Ok(LockGuard::start(
+                backend.clone(),
+                op,
+                self.config.clone(),
+                fence,
+                sent,
+            )),
+            Attempt::Held { ttl, .. } => Err(match deadline {
+                None => LockError::Held {
+                    name: self.name.as_str().to_owned(),
+                    retry_after: ttl,
+                },
+                Some(_) => LockError::WaitTimeout {
+                    name: self.name.as_str().to_owned(),
+                    waited: started.elapsed(),
+                },
+            }),
+            Attempt::Done { .. } => Err(LockError::protocol(
+                self.name.as_str(),
+                "a completion record on a plain lock",
+            )),
+        }
+    }
+}
+
+/// One acquisition attempt with a timeout. Returns the attempt and when it was sent. If the
+/// attempt may have succeeded without our knowing (timeout, broken connection), a release with
+/// the attempt's token is sent in the background and the error says so.
+pub(crate) async fn attempt(
+    backend: &Arc<dyn Backend>,
+    op: &Op,
+    config: &LockConfig,
+) -> Result<(Attempt, Instant), LockError> {
+    let sent = Instant::now();
+    let error = match tokio::time::timeout(config.op_timeout(), backend.acquire(op)).await {
+        Ok(Ok(attempt)) => return Ok((attempt, sent)),
+        Ok(Err(error)) => error,
+        Err(_) => LockError::timeout(op.name.as_str(), true, config.op_timeout()),
+    };
+    if let LockError::Unavailable {
+        ambiguous: true, ..
+    } = error
+    {
+        spawn_cleanup(backend.clone(), op.clone(), config.clone(), sent);
+    }
+    Err(error)
+}
+
+/// Releases a lock an ambiguous attempt may have taken, retrying with backoff until the lease
+/// it would have had is over (after that, expiry did the job).
+fn spawn_cleanup(backend: Arc<dyn Backend>, op: Op, config: LockConfig, sent: Instant) {
+    let until = sent + op.lease;
+    tokio::spawn(async move {
+        let mut backoff = Backoff::new(config.retry_base(), config.retry_max());
+        loop {
+            match tokio::time::timeout(config.op_timeout(), backend.release(&op)).await {
+                Ok(Ok(released)) => {
+                    tracing::debug!(lock = op.name.as_str(), released, "ambiguous acquisition cleaned up");
+                    return;
+                }
+                _ if Instant::now() >= until => return,
+                _ => tokio::time::sleep(backoff.next_delay()).await,
+            }
+        }
+    });
+}
+
+/// Attempts until the lock is taken (or completed), or until `deadline` (a single attempt when
+/// `None`). Returns the last attempt: `Held` means the deadline passed.
+pub(crate) async fn acquire_until(
+    backend: &Arc<dyn Backend>,
+    op: &Op,
+    config: &LockConfig,
+    deadline: Option<Instant>,
+) -> Result<(Attempt, Instant), LockError> {
+    let (mut last, mut sent) = attempt(backend, op, config).await?;
+    let Some(deadline) = deadline else {
+        return Ok((last, sent));
+    };
+    let mut waiter = None;
+    let mut backoff = Backoff::new(config.retry_base(), config.retry_max());
+    loop {
+        let Attempt::Held { ttl, .. } = &last else {
+            return Ok((last, sent));
+        };
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok((last, sent));
+        }
+        let left = deadline - now;
+        match &mut waiter {
+            None => {
+                // Subscribe first, then look again: a release between our attempt and the
+                // subscription would otherwise go unnoticed until the next poll.
+                let mut registered = backend.waiters().register(op.name.channel());
+                registered
+                    .subscribed(config.op_timeout().min(left))
+                    .await;
+                waiter = Some(registered);
+            }
+            Some(registered) => {
+                let mut delay = backoff.next_delay().min(left);
+                if let Some(ttl) = ttl {
+                    // Wake when the holder's lease ends: a crashed holder sends no release.
+                    delay = delay.min(*ttl + Duration::from_millis(1));
+                }
+                tokio::select! {
+                    () = registered.notified() => {}
+                    () = tokio::time::sleep(delay) => {}
+                }
+            }
+        }
+        (last, sent) = attempt(backend, op, config).await?;
+    }
+}

@@ -1,0 +1,156 @@
+//! Lock names and the Redis keys derived from them.
+
+use std::sync::Arc;
+
+use crate::ConfigError;
+
+/// Longest lock name accepted, in bytes.
+pub const MAX_NAME_LEN: usize = 1024;
+
+/// A validated lock name with the keys it maps to.
+///
+/// Every key of one lock shares the hash tag `{name}`, so every script touches a single hash slot
+/// and runs unchanged on Redis Cluster:
+///
+/// | key | holds |
+/// |---|---|
+/// | `prefix:{name}` | the lock: the owner token (string) or, for a reentrant lock, a hash |
+/// | `prefix:{name}:state` | hash: fencing counter `n`, and for [`Once`](crate::Once) the in-flight tag `m` and record `d` |
+/// | `prefix:{name}:rel` | pub/sub channel announcing releases |
+///
+/// ```
+/// let name = distlock::LockName::new("locks", "nightly-report")?;
+/// assert_eq!(name.lock_key(), "locks:{nightly-report}");
+/// assert_eq!(name.state_key(), "locks:{nightly-report}:state");
+/// assert!(distlock::LockName::new("locks", "a}b").is_err());
+/// # Ok::<(), distlock::ConfigError>(())
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct LockName {
+    inner: Arc<Keys>,
+}
+
+#[derive(PartialEq, Eq, Hash)]
+struct Keys {
+    name: String,
+    lock: String,
+    state: String,
+    channel: String,
+}
+
+impl std::fmt::Debug for LockName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("LockName").field(&self.inner.lock).finish()
+    }
+}
+
+impl LockName {
+    /// Validates `name` under `prefix`. Names must be non-empty, at most [`MAX_NAME_LEN`] bytes, and
+    /// free of `{`, `}` and control characters (braces would change the hash tag); the prefix
+    /// follows the same rules but may be empty.
+    ///
+    /// ```
+    /// assert!(distlock::LockName::new("", "job").is_ok());
+    /// assert!(distlock::LockName::new("p", "").is_err());
+    /// ```
+    pub fn new(prefix: &str, name: &str) -> Result<Self, ConfigError> {
+        check_part("prefix", prefix, true)?;
+        check_part("name", name, false)?;
+        let lock = if prefix.is_empty() {
+            format!("{{{name}}}")
+        } else {
+            format!("{prefix}:{{{name}}}")
+        };
+        Ok(LockName {
+            inner: Arc::new(Keys {
+                name: name.to_owned(),
+                state: format!("{lock}:state"),
+                channel: format!("{lock}:rel"),
+                lock,
+            }),
+        })
+    }
+
+    /// The name as given.
+    ///
+    /// ```
+    /// assert_eq!(distlock::LockName::new("p", "job")?.as_str(), "job");
+    /// # Ok::<(), distlock::ConfigError>(())
+    /// ```
+    pub fn as_str(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The key that holds the lock.
+    ///
+    /// ```
+    /// assert_eq!(distlock::LockName::new("p", "job")?.lock_key(), "p:{job}");
+    /// # Ok::<(), distlock::ConfigError>(())
+    /// ```
+    pub fn lock_key(&self) -> &str {
+        &self.inner.lock
+    }
+
+    /// The key that holds the fencing counter (and [`Once`](crate::Once) records).
+    ///
+    /// ```
+    /// assert_eq!(distlock::LockName::new("p", "job")?.state_key(), "p:{job}:state");
+    /// # Ok::<(), distlock::ConfigError>(())
+    /// ```
+    pub fn state_key(&self) -> &str {
+        &self.inner.state
+    }
+
+    /// The pub/sub channel on which releases of this lock are announced.
+    ///
+    /// ```
+    /// assert_eq!(distlock::LockName::new("p", "job")?.channel(), "p:{job}:rel");
+    /// # Ok::<(), distlock::ConfigError>(())
+    /// ```
+    pub fn channel(&self) -> &str {
+        &self.inner.channel
+    }
+}
+
+fn check_part(field: &'static str, value: &str, may_be_empty: bool) -> Result<(), ConfigError> {
+    if value.is_empty() && !may_be_empty {
+        return Err(ConfigError::invalid(field, "must not be empty"));
+    }
+    if value.len() > MAX_NAME_LEN {
+        return Err(ConfigError::invalid(
+            field,
+            format!("{} bytes is over the limit of {MAX_NAME_LEN}", value.len()),
+        ));
+    }
+    if let Some(c) = value.chars().find(|c| matches!(c, '{' | '}') || c.is_control()) {
+        return Err(ConfigError::invalid(
+            field,
+            format!("{value:?} contains {c:?}; braces would change the Redis Cluster hash tag"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_keys_share_the_hash_tag() {
+        let n = LockName::new("idem", "ab12").unwrap();
+        for key in [n.lock_key(), n.state_key()] {
+            let open = key.find('{').unwrap();
+            let close = open + key[open..].find('}').unwrap();
+            assert_eq!(&key[open + 1..close], "ab12");
+        }
+    }
+
+    #[test]
+    fn refuses_bad_names() {
+        for bad in ["", "a{b", "}x", "line\nbreak", &"x".repeat(MAX_NAME_LEN + 1)] {
+            assert!(LockName::new("p", bad).is_err(), "{bad:?}");
+        }
+        assert!(LockName::new("p{", "ok").is_err());
+        assert!(LockName::new("p", "ünïcode ok").is_ok());
+    }
+}

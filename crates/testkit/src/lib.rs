@@ -1,0 +1,19 @@
+//! Test support for the tower-idempotency workspace.
+//!
+//! * [`RedisServer`]: a real Redis for each test: `REDIS_URL`, else a local `redis-server` on a
+//!   free loopback port (own temp dir, no persistence, killed on drop), else a container when a
+//!   Docker engine answers, else a failure that says how to fix it. Owned servers can be stopped,
+//!   paused (SIGSTOP/SIGCONT) and restarted on the same port.
+//! * [`History`] and [`check`]: record critical sections (in memory or in a file shared by several
+//!   processes) and prove there was never more than one holder and fencing tokens only grew.
+
+mod history;
+mod server;
+
+pub use history::{History, Open, Report, Section, check, now_ns};
+pub use server::{HarnessError, RedisServer, ServerOptions, free_port};
+
+/// A key prefix unique to one test run, so tests sharing a `REDIS_URL` server never collide.
+pub fn unique_prefix(test: &str) -> String {
+    format!("t-{test}-{}-{}", std::process::id(), now_ns())
+}

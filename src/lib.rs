@@ -1,0 +1,3 @@
+//! tower-idempotency: a tower Layer that makes HTTP endpoints safe to call twice.
+
+pub use distlock;
