@@ -150,6 +150,27 @@ impl LockClient {
         self.inner.backend.describe()
     }
 
+    /// Connects to the store and loads the lock scripts now, so that the first acquisition does
+    /// not pay for it (and a misconfigured URL shows up at startup). Optional: everything also
+    /// happens on first use.
+    ///
+    /// # Errors
+    /// [`LockError::Unavailable`] if the store cannot be reached.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// distlock::LockClient::memory().prepare().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn prepare(&self) -> Result<(), crate::LockError> {
+        let timeout = self.inner.config.op_timeout().max(Duration::from_secs(1)) * 4;
+        match tokio::time::timeout(timeout, self.inner.backend.prepare()).await {
+            Ok(result) => result,
+            Err(_) => Err(crate::LockError::timeout("(prepare)", false, timeout)),
+        }
+    }
+
     pub(crate) fn backend(&self) -> &Arc<dyn Backend> {
         &self.inner.backend
     }

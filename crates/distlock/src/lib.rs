@@ -35,7 +35,7 @@
 //! | the holder does not know it lost the lock | [`LeaseWatch::lost`] fires at `sent + lease - drift` of the last confirmed acquire/renewal, measured with `Instant` from when it was *sent*, or at once when a renewal finds another owner |
 //! | a paused holder writes after its lease ended (Kleppmann) | [`LockGuard::fence`]: a counter in the lock's hash slot, strictly increasing across holders; have the resource reject lower tokens |
 //! | polling storms while waiting | waiters are woken by a release announcement over one shared pub/sub connection per client, one waiter per release, with jittered exponential backoff (capped by the holder's remaining lease) as the fallback |
-//! | a timeout during acquire leaves a lock nobody knows about | the failed attempt's token is used to delete it in the background, and the error says the outcome was ambiguous; a retry with the same token is recognised as ours |
+//! | a timeout during acquire leaves a lock nobody knows about | the failed attempt's token is used to delete it in the background (retried until its lease would have ended), and the error says the outcome was ambiguous |
 //! | release on unwind / cancellation (004 returns early without unlocking) | dropping the guard releases: a spawned compare-and-delete with a deadline (never `block_on` in `Drop`); the lease is the backstop |
 //! | reentrancy (001, 002) | [`LockClient::reentrant`]: a hash lock with one field per hold, so a release removes exactly one hold |
 //! | Redis Cluster | all keys of one lock share the hash tag `{name}`; every script touches one slot |

@@ -49,7 +49,13 @@ impl ServerOptions {
 
     /// The persistence and extra arguments passed to `redis-server`.
     pub fn args(&self) -> Vec<String> {
-        let mut args: Vec<String> = vec!["--save".into(), String::new()];
+        // DEBUG SLEEP lets tests slow the server down (loopback clients only).
+        let mut args: Vec<String> = vec![
+            "--save".into(),
+            String::new(),
+            "--enable-debug-command".into(),
+            "local".into(),
+        ];
         if self.append_only {
             args.extend(["--appendonly", "yes", "--appendfsync", "always"].map(String::from));
         } else {

@@ -266,12 +266,6 @@ impl MemoryBackend {
             let ttl = Some(lock.expires - now);
             let fence = lock.fence;
             match (&lock.holder, &op.mode) {
-                (Holder::Exclusive(token), Mode::Exclusive | Mode::Once { .. })
-                    if token == op.token.as_str() =>
-                {
-                    store.set_lock_expiry(lock_key, now + op.lease);
-                    return Ok(Attempt::Acquired { fence });
-                }
                 (Holder::Reentrant { owner, .. }, Mode::Reentrant { owner: me })
                     if owner == me.as_str() =>
                 {
@@ -451,6 +445,10 @@ impl Backend for MemoryBackend {
         Box::pin(std::future::ready(self.complete_now(op, record)))
     }
 
+    fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+
     fn waiters(&self) -> &Arc<Waiters> {
         &self.waiters
     }
@@ -486,8 +484,6 @@ mod tests {
             token: Token::random(),
             ..a.clone()
         };
-        assert_eq!(b.acquire_now(&a).unwrap(), Attempt::Acquired { fence: 1 });
-        // Same token again: ours (an ambiguous retry), same fence.
         assert_eq!(b.acquire_now(&a).unwrap(), Attempt::Acquired { fence: 1 });
         assert!(matches!(b.acquire_now(&c).unwrap(), Attempt::Held { ttl: Some(_), tag: None }));
         assert!(!b.release_now(&c), "someone else's token releases nothing");

@@ -71,7 +71,8 @@ pub(crate) enum Attempt {
 
 /// The operations a store must provide. All are atomic in the store.
 pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
-    /// Takes the lock if free (or already held by this very token), else reports the holder.
+    /// Takes the lock if free (a reentrant lock also if held by the same owner), else reports
+    /// the holder.
     fn acquire<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<Attempt, LockError>>;
     /// Sets the lease to `lease` if the lock is still held by `op.token`.
     fn extend<'a>(&'a self, op: &'a Op, lease: Duration) -> BoxFuture<'a, Result<bool, LockError>>;
@@ -80,6 +81,9 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
     /// (`Once`) Stores `record` and releases, if the lock is still held by `op.token`.
     fn complete<'a>(&'a self, op: &'a Op, record: &'a [u8])
     -> BoxFuture<'a, Result<bool, LockError>>;
+    /// Connects and loads whatever the operations need, so the first real operation does not
+    /// pay for it.
+    fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>>;
     /// Where waiters register for release notifications.
     fn waiters(&self) -> &Arc<waiters::Waiters>;
     /// A short description for logs ("redis", "memory", ...).

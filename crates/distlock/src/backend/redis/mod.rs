@@ -223,6 +223,19 @@ impl<C: Conn> Backend for RedisBackend<C> {
         })
     }
 
+    fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>> {
+        Box::pin(async move {
+            let mut conn = self.conn.clone();
+            for script in SCRIPTS.all() {
+                script
+                    .load_async(&mut conn)
+                    .await
+                    .map_err(|e| LockError::from_redis("(scripts)", false, e))?;
+            }
+            Ok(())
+        })
+    }
+
     fn waiters(&self) -> &Arc<Waiters> {
         &self.waiters
     }

@@ -122,3 +122,60 @@ async fn idle(commands: &mut mpsc::UnboundedReceiver<Command>, delay: Duration) 
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Publishes an announcement; returns how many subscribers received it.
+    async fn publish(server: &testkit::RedisServer, channel: &str) -> i64 {
+        let mut conn = server.connection().await;
+        redis::cmd("PUBLISH")
+            .arg(channel)
+            .arg("")
+            .query_async(&mut conn)
+            .await
+            .unwrap()
+    }
+
+    /// The release announcement wakes a waiter over the shared connection, and after the server
+    /// restarts the task resubscribes by itself.
+    #[tokio::test]
+    async fn announcements_wake_waiters_and_survive_a_restart() {
+        let server = testkit::RedisServer::start_owned().await;
+        let waiters = spawn_notifier(server.client(), Duration::from_secs(2));
+        let mut waiter = waiters.register("p:{k}:rel");
+        assert!(waiter.subscribed(Duration::from_secs(10)).await, "subscription confirmed");
+        assert_eq!(publish(&server, "p:{k}:rel").await, 1, "one shared subscriber");
+        tokio::time::timeout(Duration::from_secs(10), waiter.notified())
+            .await
+            .expect("woken by the announcement");
+
+        server.stop().await;
+        server.restart().await;
+        // The task reconnects and subscribes again by itself: an announcement reaches it.
+        let mut received = 0;
+        for _ in 0..200 {
+            received = publish(&server, "p:{k}:rel").await;
+            if received == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        assert_eq!(received, 1, "resubscribed after the restart");
+        tokio::time::timeout(Duration::from_secs(10), waiter.notified())
+            .await
+            .expect("woken after the restart");
+        // The last waiter leaving unsubscribes the channel.
+        drop(waiter);
+        let mut remaining = 1;
+        for _ in 0..200 {
+            remaining = publish(&server, "p:{k}:rel").await;
+            if remaining == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        assert_eq!(remaining, 0, "unsubscribed when nobody waits");
+    }
+}

@@ -18,6 +18,20 @@ pub(crate) struct Scripts {
     pub(crate) reentrant_extend: Script,
 }
 
+impl Scripts {
+    pub(crate) fn all(&self) -> [&Script; 7] {
+        [
+            &self.acquire,
+            &self.release,
+            &self.extend,
+            &self.complete,
+            &self.reentrant_acquire,
+            &self.reentrant_release,
+            &self.reentrant_extend,
+        ]
+    }
+}
+
 pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     acquire: Script::new(include_str!("scripts/acquire.lua")),
     release: Script::new(include_str!("scripts/release.lua")),

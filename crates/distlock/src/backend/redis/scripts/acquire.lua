@@ -28,12 +28,6 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   end
   return {1, fence}
 end
--- An earlier attempt with this same token may have succeeded without its reply arriving:
--- the lock is ours, so say so (with the fence that attempt drew) instead of waiting on ourselves.
-if redis.pcall('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {1, tonumber(redis.call('HGET', KEYS[2], 'n')) or 0}
-end
 local pttl = redis.call('PTTL', KEYS[1])
 if once then
   return {0, pttl, redis.call('HGET', KEYS[2], 'm') or ''}

@@ -1,0 +1,492 @@
+//! The lock against a real redis-server: exclusion, fencing, lease loss, the reference articles'
+//! failures, outages and recovery.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use distlock::{Begin, LockClient, LockConfig, LockError, LossReason, OwnerId};
+use redis::AsyncCommands;
+use testkit::{History, RedisServer};
+
+fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
+}
+
+/// A client on `url`, connected and with its scripts loaded (so that short command timeouts
+/// are not spent on the first connection).
+async fn connect(url: &str, prefix: &str, config: LockConfig) -> LockClient {
+    let client = LockClient::builder()
+        .config(config)
+        .prefix(prefix)
+        .unwrap()
+        .connect(url)
+        .unwrap();
+    client.prepare().await.expect("redis answers");
+    client
+}
+
+async fn client(server: &RedisServer, prefix: &str, config: LockConfig) -> LockClient {
+    connect(&server.url(), prefix, config).await
+}
+
+fn short_lease(lease: u64) -> LockConfig {
+    LockConfig::builder().lease(ms(lease)).build().unwrap()
+}
+
+#[tokio::test]
+async fn acquire_release_and_fencing() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("basic");
+    let c = client(&server, &prefix, LockConfig::default()).await;
+    let lock = c.lock("job").unwrap();
+    let mut redis = server.connection().await;
+
+    let a = lock.try_acquire().await.unwrap();
+    let value: String = redis.get(lock.name().lock_key()).await.unwrap();
+    assert_eq!(value, a.token().as_str(), "the value is the owner token");
+    let pttl: i64 = redis.pttl(lock.name().lock_key()).await.unwrap();
+    assert!(pttl > 0 && pttl <= 10_000, "the lease is the key's expiry: {pttl}");
+
+    match lock.try_acquire().await {
+        Err(LockError::Held { retry_after, .. }) => assert!(retry_after.is_some()),
+        other => panic!("{other:?}"),
+    }
+    let first = a.fence();
+    assert!(a.release().await.unwrap());
+    let exists: bool = redis.exists(lock.name().lock_key()).await.unwrap();
+    assert!(!exists);
+
+    let b = lock.try_acquire().await.unwrap();
+    assert!(b.fence() > first);
+    drop(b);
+    // Drop releases in the background; the next acquisition waits for it.
+    let c2 = lock.acquire(Duration::from_secs(5)).await.unwrap();
+    assert!(c2.fence() > first + 1);
+}
+
+/// Many tasks on several clients (each with its own connections, like separate instances)
+/// contend for one lock; the history proves one holder at a time and increasing fences.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_exclusion_across_clients_and_tasks() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("mutex");
+    let history = Arc::new(History::new());
+    let mut tasks = Vec::new();
+    for c in 0..4 {
+        let client = client(&server, &prefix, short_lease(2_000)).await;
+        for t in 0..4 {
+            let lock = client.lock("shared").unwrap();
+            let history = history.clone();
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..10 {
+                    let guard = lock.acquire(Duration::from_secs(60)).await.unwrap();
+                    let section = history.enter(format!("c{c}t{t}"), guard.fence());
+                    tokio::time::sleep(ms(1)).await;
+                    assert!(guard.is_held());
+                    section.leave();
+                    assert!(guard.release().await.unwrap());
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let report = testkit::check(&history.sections()).unwrap();
+    assert_eq!(report.sections, 160);
+    assert_eq!(report.holders, 16);
+}
+
+/// A holder that stops renewing (its runtime is stalled, as in a GC pause or SIGSTOP) loses the
+/// lock when its lease ends; a waiter takes it with a greater fence; the old holder's loss signal
+/// fires, and its late release deletes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_holder_loses_the_lock_and_cannot_delete_the_next() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("stall");
+    let url = server.url();
+    let (acquired_tx, acquired_rx) = std::sync::mpsc::channel();
+    let holder_prefix = prefix.clone();
+    let holder = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let c = connect(&url, &holder_prefix, short_lease(300)).await;
+            let guard = c.lock("stall").unwrap().try_acquire().await.unwrap();
+            acquired_tx.send(guard.fence()).unwrap();
+            // Block the whole runtime: the watchdog cannot renew.
+            std::thread::sleep(ms(1_500));
+            let reason = tokio::time::timeout(Duration::from_secs(5), guard.lost())
+                .await
+                .expect("the loss signal fires");
+            let held = guard.is_held();
+            let released = guard.release().await.unwrap();
+            (reason, held, released)
+        })
+    });
+    let old_fence = acquired_rx.recv().unwrap();
+    let c = client(&server, &prefix, short_lease(5_000)).await;
+    let lock = c.lock("stall").unwrap();
+    let new = lock.acquire(Duration::from_secs(10)).await.unwrap();
+    assert!(new.fence() > old_fence);
+
+    let (reason, held, released) = tokio::task::spawn_blocking(move || holder.join().unwrap())
+        .await
+        .unwrap();
+    assert!(matches!(reason, LossReason::Expired | LossReason::NotOwner), "{reason:?}");
+    assert!(!held);
+    assert!(!released, "the old holder's release found the lock not its own");
+    let mut redis = server.connection().await;
+    let value: String = redis.get(lock.name().lock_key()).await.unwrap();
+    assert_eq!(value, new.token().as_str(), "the new holder's lock is intact");
+    assert!(new.release().await.unwrap());
+}
+
+/// Article 000: with the SETNX + GETSET timestamp recipe, a loser overwrites the winner's expiry,
+/// and the winner can no longer unlock. Reproduced with the recipe, then shown impossible here.
+#[tokio::test]
+async fn article_000_a_loser_cannot_touch_the_holders_lock() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("a000");
+    let mut r = server.connection().await;
+    let key = format!("{prefix}:naive");
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64
+    };
+
+    // The recipe. C3 holds an expired timestamp; C4 and C5 both find it expired.
+    let _: () = r.set(&key, now() - 1_000).await.unwrap();
+    let c4_sees: i64 = r.get(&key).await.unwrap();
+    let c5_sees: i64 = r.get(&key).await.unwrap();
+    assert!(c4_sees < now() && c5_sees < now());
+    let t4 = now() + 10_000;
+    let old4: i64 = redis::cmd("GETSET").arg(&key).arg(t4).query_async(&mut r).await.unwrap();
+    assert!(old4 < now(), "C4 wins");
+    let t5 = t4 + 1;
+    let old5: i64 = redis::cmd("GETSET").arg(&key).arg(t5).query_async(&mut r).await.unwrap();
+    assert_eq!(old5, t4, "C5 loses, but has already overwritten C4's expiry");
+    let value: i64 = r.get(&key).await.unwrap();
+    assert_ne!(value, t4, "C4's unlock (delete if the value is mine) now fails: the bug");
+
+    // This crate: a loser's attempt writes nothing.
+    let c = client(&server, &prefix, LockConfig::default()).await;
+    let lock = c.lock("res").unwrap();
+    let holder = lock.try_acquire().await.unwrap();
+    let pttl_before: i64 = r.pttl(lock.name().lock_key()).await.unwrap();
+    for _ in 0..5 {
+        assert!(matches!(lock.try_acquire().await, Err(LockError::Held { .. })));
+    }
+    let value: String = r.get(lock.name().lock_key()).await.unwrap();
+    assert_eq!(value, holder.token().as_str(), "the value is still the holder's");
+    let pttl_after: i64 = r.pttl(lock.name().lock_key()).await.unwrap();
+    assert!(pttl_after <= pttl_before, "losers never extend or rewrite the lease");
+    assert!(holder.release().await.unwrap(), "the holder unlocks");
+}
+
+/// Article 002: with a constant value, a holder whose lease expired deletes the next holder's
+/// lock. Reproduced, then shown impossible with unique tokens and compare-and-delete.
+#[tokio::test]
+async fn article_002_an_expired_holder_cannot_release_the_next_holders_lock() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("a002");
+    let mut r = server.connection().await;
+    let key = format!("{prefix}:naive");
+    let unlock = redis::Script::new(
+        "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end",
+    );
+
+    // The recipe: every caller uses the value 1.
+    let a: bool = redis::cmd("SET").arg(&key).arg(1).arg("NX").arg("PX").arg(100)
+        .query_async::<Option<String>>(&mut r).await.unwrap().is_some();
+    assert!(a);
+    tokio::time::sleep(ms(200)).await; // A is slow; its lock expires.
+    let b = redis::cmd("SET").arg(&key).arg(1).arg("NX").arg("PX").arg(10_000)
+        .query_async::<Option<String>>(&mut r).await.unwrap().is_some();
+    assert!(b, "B takes the lock");
+    let deleted: i64 = unlock.key(&key).arg(1).invoke_async(&mut r).await.unwrap();
+    assert_eq!(deleted, 1, "A's 'safe' unlock deletes B's lock");
+    let c = redis::cmd("SET").arg(&key).arg(1).arg("NX").arg("PX").arg(10_000)
+        .query_async::<Option<String>>(&mut r).await.unwrap().is_some();
+    assert!(c, "C takes the lock while B still works: two holders, the bug");
+
+    // This crate.
+    let config = LockConfig::builder().lease(ms(100)).watchdog(false).build().unwrap();
+    let client_a = client(&server, &prefix, config).await;
+    let client_b = client(&server, &prefix, LockConfig::default()).await;
+    let guard_a = client_a.lock("res").unwrap().try_acquire().await.unwrap();
+    tokio::time::sleep(ms(200)).await;
+    let lock_b = client_b.lock("res").unwrap();
+    let guard_b = lock_b.try_acquire().await.unwrap();
+    assert!(!guard_a.release().await.unwrap(), "A's release finds the lock is not A's");
+    assert!(
+        matches!(lock_b.try_acquire().await, Err(LockError::Held { .. })),
+        "B's lock is intact: C cannot take it"
+    );
+    assert!(guard_b.release().await.unwrap());
+}
+
+/// Redis goes away while a task waits: the wait ends with `Unavailable` (not at its 60 s
+/// deadline), and once Redis is back the same client works again without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_stopped_mid_wait_then_the_client_recovers() {
+    let server = RedisServer::start_owned().await;
+    let prefix = testkit::unique_prefix("outage");
+    let c = client(&server, &prefix, LockConfig::default()).await;
+    let lock = c.lock("job").unwrap();
+    let holder = lock.try_acquire().await.unwrap();
+    let waiter = tokio::spawn({
+        let lock = lock.clone();
+        async move { lock.acquire(Duration::from_secs(60)).await }
+    });
+    tokio::time::sleep(ms(300)).await;
+    assert!(!waiter.is_finished(), "the waiter is waiting");
+    server.stop().await;
+    match waiter.await.unwrap() {
+        Err(e @ LockError::Unavailable { .. }) => assert!(e.is_unavailable()),
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    drop(holder);
+
+    server.restart().await;
+    let mut recovered = None;
+    for _ in 0..100 {
+        match lock.try_acquire().await {
+            Ok(guard) => {
+                recovered = Some(guard);
+                break;
+            }
+            Err(LockError::Unavailable { .. }) => tokio::time::sleep(ms(50)).await,
+            Err(other) => panic!("{other:?}"),
+        }
+    }
+    let guard = recovered.expect("the client reconnects by itself");
+    assert!(guard.release().await.unwrap());
+}
+
+/// The watchdog renews a lease much shorter than the hold.
+#[tokio::test]
+async fn the_watchdog_keeps_a_long_hold() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("watchdog");
+    let c = client(&server, &prefix, short_lease(300)).await;
+    let lock = c.lock("long").unwrap();
+    let guard = lock.try_acquire().await.unwrap();
+    let still = tokio::time::timeout(ms(1_200), guard.lost()).await;
+    assert!(still.is_err(), "no loss during four leases");
+    assert!(guard.is_held());
+    let mut r = server.connection().await;
+    let value: String = r.get(lock.name().lock_key()).await.unwrap();
+    assert_eq!(value, guard.token().as_str());
+    assert!(matches!(lock.try_acquire().await, Err(LockError::Held { .. })));
+    assert!(guard.release().await.unwrap());
+}
+
+/// A renewal that finds the lock gone fires the loss signal with `NotOwner`.
+#[tokio::test]
+async fn the_loss_signal_fires_when_the_lock_is_taken_away() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("taken");
+    let c = client(&server, &prefix, short_lease(600)).await;
+    let lock = c.lock("k").unwrap();
+    let guard = lock.try_acquire().await.unwrap();
+    let lease = guard.lease();
+    let mut r = server.connection().await;
+    let _: () = r.del(lock.name().lock_key()).await.unwrap();
+    let reason = tokio::time::timeout(Duration::from_secs(5), lease.lost())
+        .await
+        .expect("loss signalled");
+    assert_eq!(reason, LossReason::NotOwner);
+    assert!(matches!(lease.check(), Err(LockError::LeaseLost { .. })));
+    assert!(!guard.release().await.unwrap());
+}
+
+/// The hold cap stops renewal: the loss signal says so and the lock frees itself.
+#[tokio::test]
+async fn the_hold_cap_ends_the_lease() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("cap");
+    let config = LockConfig::builder()
+        .lease(ms(200))
+        .max_hold(ms(500))
+        .build()
+        .unwrap();
+    let c = client(&server, &prefix, config).await;
+    let lock = c.lock("k").unwrap();
+    let guard = lock.try_acquire().await.unwrap();
+    let reason = tokio::time::timeout(Duration::from_secs(5), guard.lost())
+        .await
+        .expect("the cap is reached");
+    assert_eq!(reason, LossReason::HoldLimit);
+    let other = lock.acquire(Duration::from_secs(5)).await.unwrap();
+    assert!(other.fence() > guard.fence());
+}
+
+/// Reentrant locks on Redis: holds nest per owner; another owner waits for the last release.
+#[tokio::test]
+async fn reentrant_holds_nest_per_owner() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("reentrant");
+    let c = client(&server, &prefix, LockConfig::default()).await;
+    let me = OwnerId::new("worker-1").unwrap();
+    let other = OwnerId::new("worker-2").unwrap();
+    let outer = c.reentrant("ledger", &me).unwrap().try_acquire().await.unwrap();
+    let inner = c.reentrant("ledger", &me).unwrap().try_acquire().await.unwrap();
+    assert_eq!(inner.fence(), outer.fence());
+    let theirs = c.reentrant("ledger", &other).unwrap();
+    assert!(matches!(theirs.try_acquire().await, Err(LockError::Held { .. })));
+    // An exclusive lock on the same name is excluded too.
+    assert!(matches!(
+        c.lock("ledger").unwrap().try_acquire().await,
+        Err(LockError::Held { .. })
+    ));
+    assert!(inner.release().await.unwrap());
+    assert!(matches!(theirs.try_acquire().await, Err(LockError::Held { .. })));
+    let waiting = tokio::spawn({
+        let theirs = theirs.clone();
+        async move { theirs.acquire(Duration::from_secs(10)).await }
+    });
+    let outer_fence = outer.fence();
+    assert!(outer.release().await.unwrap());
+    let got = waiting.await.unwrap().unwrap();
+    assert!(got.fence() > outer_fence);
+}
+
+/// A command that times out may still run on the server: the attempt reports an ambiguous
+/// failure and deletes the lock it may have taken, long before that lock's lease would end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ambiguous_acquisition_is_cleaned_up() {
+    let server = RedisServer::start_owned().await;
+    let prefix = testkit::unique_prefix("ambiguous");
+    let config = LockConfig::builder()
+        .lease(Duration::from_secs(60))
+        .op_timeout(ms(100))
+        .build()
+        .unwrap();
+    let c = client(&server, &prefix, config).await;
+    let lock = c.lock("k").unwrap();
+    // Warm up the connection and load the scripts.
+    lock.try_acquire().await.unwrap().release().await.unwrap();
+
+    let mut slow = server.connection().await;
+    let sleeper = tokio::spawn(async move {
+        let _: () = redis::cmd("DEBUG").arg("SLEEP").arg(0.3).query_async(&mut slow).await.unwrap();
+    });
+    tokio::time::sleep(ms(50)).await;
+    match lock.try_acquire().await {
+        Err(LockError::Unavailable { ambiguous, .. }) => assert!(ambiguous),
+        other => panic!("expected an ambiguous Unavailable, got {other:?}"),
+    }
+    sleeper.await.unwrap();
+    // Redis ran the acquisition after its sleep; the cleanup deletes it.
+    let mut r = server.connection().await;
+    let mut gone = false;
+    for _ in 0..100 {
+        let exists: bool = r.exists(lock.name().lock_key()).await.unwrap();
+        if !exists {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(ms(20)).await;
+    }
+    assert!(gone, "the lock taken by the timed-out attempt was deleted (its lease is 60 s)");
+    assert!(lock.try_acquire().await.unwrap().release().await.unwrap());
+}
+
+/// A holder that dies without releasing: its lock expires at the end of the lease and a waiter
+/// takes it then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_holders_lock_is_taken_when_its_lease_ends() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("crash");
+    let url = server.url();
+    let p = prefix.clone();
+    let fence = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let fence = rt.block_on(async {
+            let c = connect(&url, &p, short_lease(400)).await;
+            let guard = c.lock("k").unwrap().try_acquire().await.unwrap();
+            let fence = guard.fence();
+            std::mem::forget(guard);
+            fence
+        });
+        // The runtime goes away with its watchdog: no renewal, no release. A crash.
+        drop(rt);
+        fence
+    })
+    .join()
+    .unwrap();
+    let c = client(&server, &prefix, LockConfig::default()).await;
+    let lock = c.lock("k").unwrap();
+    assert!(matches!(lock.try_acquire().await, Err(LockError::Held { .. })));
+    let guard = lock.acquire(Duration::from_secs(10)).await.unwrap();
+    assert!(guard.fence() > fence);
+}
+
+/// Run-once on Redis: begin, in-flight with the holder's tag, complete, replay; an aborted
+/// attempt leaves no record.
+#[tokio::test]
+async fn once_records_on_redis() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("once");
+    let c = client(&server, &prefix, LockConfig::default()).await;
+    let once = c.once("evt_1").unwrap().retention(Duration::from_secs(60)).unwrap();
+    let Begin::Acquired(first) = once.begin("fp-a").await.unwrap() else {
+        panic!("free")
+    };
+    match once.begin("fp-b").await.unwrap() {
+        Begin::InFlight { tag, retry_after } => {
+            assert_eq!(&tag[..], b"fp-a");
+            assert!(retry_after.is_some());
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(first.abort().await.unwrap());
+    let Begin::Acquired(second) = once.begin("fp-a").await.unwrap() else {
+        panic!("an aborted attempt leaves no record")
+    };
+    let fence = second.fence();
+    let waiter = tokio::spawn({
+        let once = once.clone();
+        async move { once.begin_wait("fp-a", Duration::from_secs(10)).await }
+    });
+    second.complete(b"201 {\"id\":7}").await.unwrap();
+    match waiter.await.unwrap().unwrap() {
+        Begin::Done(record) => assert_eq!(&record[..], b"201 {\"id\":7}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(fence >= 2);
+    let mut r = server.connection().await;
+    let ttl: i64 = r.pttl(once.name().state_key()).await.unwrap();
+    assert!(ttl > 0 && ttl <= 60_000, "the record is kept for the retention: {ttl}");
+}
+
+/// A completion whose lease was lost stores nothing.
+#[tokio::test]
+async fn a_completion_after_the_lease_was_lost_is_refused() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("once-lost");
+    let c = client(&server, &prefix, LockConfig::default()).await;
+    let once = c.once("evt").unwrap();
+    let Begin::Acquired(guard) = once.begin("").await.unwrap() else {
+        panic!()
+    };
+    let mut r = server.connection().await;
+    let _: () = r.del(once.name().lock_key()).await.unwrap();
+    let Begin::Acquired(second) = once.begin("").await.unwrap() else {
+        panic!("the lock was taken away")
+    };
+    match guard.complete(b"late").await {
+        Err(LockError::LeaseLost { reason, .. }) => assert_eq!(reason, LossReason::NotOwner),
+        other => panic!("{other:?}"),
+    }
+    second.complete(b"right").await.unwrap();
+    assert!(matches!(once.begin("").await.unwrap(), Begin::Done(r) if &r[..] == b"right"));
+}
