@@ -106,7 +106,11 @@ impl LockClient {
     /// # Ok(()) }
     /// ```
     pub fn reentrant(&self, name: &str, owner: &OwnerId) -> Result<Lock, ConfigError> {
-        Ok(Lock::new(self.clone(), self.name(name)?, Some(owner.clone())))
+        Ok(Lock::new(
+            self.clone(),
+            self.name(name)?,
+            Some(owner.clone()),
+        ))
     }
 
     /// A run-once lock on `name` (see [`Once`]).

@@ -384,9 +384,7 @@ impl LockConfigBuilder {
                 ),
             ));
         }
-        let drift = self
-            .drift
-            .unwrap_or(lease / 100 + Duration::from_millis(2));
+        let drift = self.drift.unwrap_or(lease / 100 + Duration::from_millis(2));
         if drift >= lease - renew_every {
             return Err(ConfigError::invalid(
                 "drift",
@@ -427,7 +425,9 @@ impl LockConfigBuilder {
         {
             return Err(ConfigError::invalid(
                 "max_hold",
-                format!("{cap:?} is shorter than the lease {lease:?} the first acquisition already takes"),
+                format!(
+                    "{cap:?} is shorter than the lease {lease:?} the first acquisition already takes"
+                ),
             ));
         }
         if let Some(ttl) = self.fence_ttl
@@ -435,7 +435,9 @@ impl LockConfigBuilder {
         {
             return Err(ConfigError::invalid(
                 "fence_ttl",
-                format!("{ttl:?} is shorter than the lease {lease:?}: the fencing counter could expire while the lock is held"),
+                format!(
+                    "{ttl:?} is shorter than the lease {lease:?}: the fencing counter could expire while the lock is held"
+                ),
             ));
         }
         Ok(LockConfig {
@@ -473,15 +475,33 @@ mod tests {
     fn refuses_configurations_that_cannot_work() {
         let cases: Vec<(LockConfigBuilder, &str)> = vec![
             (LockConfig::builder().lease(ms(5)), "lease"),
-            (LockConfig::builder().lease(ms(100)).renew_every(ms(50)), "renew_every"),
-            (LockConfig::builder().renew_every(Duration::ZERO), "renew_every"),
+            (
+                LockConfig::builder().lease(ms(100)).renew_every(ms(50)),
+                "renew_every",
+            ),
+            (
+                LockConfig::builder().renew_every(Duration::ZERO),
+                "renew_every",
+            ),
             (LockConfig::builder().lease(ms(100)).drift(ms(70)), "drift"),
-            (LockConfig::builder().lease(ms(100)).op_timeout(ms(99)), "op_timeout"),
-            (LockConfig::builder().op_timeout(Duration::ZERO), "op_timeout"),
+            (
+                LockConfig::builder().lease(ms(100)).op_timeout(ms(99)),
+                "op_timeout",
+            ),
+            (
+                LockConfig::builder().op_timeout(Duration::ZERO),
+                "op_timeout",
+            ),
             (LockConfig::builder().retry(Duration::ZERO, ms(5)), "retry"),
             (LockConfig::builder().retry(ms(10), ms(5)), "retry"),
-            (LockConfig::builder().lease(ms(1000)).max_hold(ms(999)), "max_hold"),
-            (LockConfig::builder().lease(ms(1000)).fence_ttl(ms(999)), "fence_ttl"),
+            (
+                LockConfig::builder().lease(ms(1000)).max_hold(ms(999)),
+                "max_hold",
+            ),
+            (
+                LockConfig::builder().lease(ms(1000)).fence_ttl(ms(999)),
+                "fence_ttl",
+            ),
         ];
         for (builder, field) in cases {
             match builder.clone().build() {

@@ -60,7 +60,9 @@ pub enum LockError {
         source: redis::RedisError,
     },
     /// Fewer nodes than a quorum confirmed the operation (Redlock).
-    #[error("lock {name:?}: {confirmed} of {nodes} nodes confirmed, a quorum of {quorum} is needed")]
+    #[error(
+        "lock {name:?}: {confirmed} of {nodes} nodes confirmed, a quorum of {quorum} is needed"
+    )]
     NoQuorum {
         /// The lock name.
         name: String,
@@ -228,9 +230,8 @@ mod tests {
 
     #[test]
     fn io_errors_are_unavailable_and_script_errors_are_not() {
-        let io = redis::RedisError::from(std::io::Error::from(
-            std::io::ErrorKind::ConnectionRefused,
-        ));
+        let io =
+            redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
         assert!(LockError::from_redis("k", false, io).is_unavailable());
         let wrongtype = redis::RedisError::from((
             redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError),
@@ -246,7 +247,9 @@ mod tests {
     fn timeout_is_unavailable_and_keeps_ambiguity() {
         let err = LockError::timeout("k", false, Duration::from_millis(5)).into_ambiguous();
         match err {
-            LockError::Unavailable { ambiguous, source, .. } => {
+            LockError::Unavailable {
+                ambiguous, source, ..
+            } => {
                 assert!(ambiguous);
                 assert!(source.is_timeout());
             }

@@ -177,8 +177,7 @@ impl LockGuard {
     /// ```
     pub async fn release(mut self) -> Result<bool, LockError> {
         self.disarm();
-        match tokio::time::timeout(self.config.op_timeout(), self.backend.release(&self.op)).await
-        {
+        match tokio::time::timeout(self.config.op_timeout(), self.backend.release(&self.op)).await {
             Ok(result) => result,
             Err(_) => Err(LockError::timeout(
                 self.op.name.as_str(),

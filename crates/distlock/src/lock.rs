@@ -201,7 +201,11 @@ fn spawn_cleanup(backend: Arc<dyn Backend>, op: Op, config: LockConfig, sent: In
         loop {
             match tokio::time::timeout(config.op_timeout(), backend.release(&op)).await {
                 Ok(Ok(released)) => {
-                    tracing::debug!(lock = op.name.as_str(), released, "ambiguous acquisition cleaned up");
+                    tracing::debug!(
+                        lock = op.name.as_str(),
+                        released,
+                        "ambiguous acquisition cleaned up"
+                    );
                     return;
                 }
                 _ if Instant::now() >= until => return,
@@ -239,9 +243,7 @@ pub(crate) async fn acquire_until(
                 // Subscribe first, then look again: a release between our attempt and the
                 // subscription would otherwise go unnoticed until the next poll.
                 let mut registered = backend.waiters().register(op.name.channel());
-                registered
-                    .subscribed(config.op_timeout().min(left))
-                    .await;
+                registered.subscribed(config.op_timeout().min(left)).await;
                 waiter = Some(registered);
             }
             Some(registered) => {

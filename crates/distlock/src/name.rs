@@ -122,7 +122,10 @@ fn check_part(field: &'static str, value: &str, may_be_empty: bool) -> Result<()
             format!("{} bytes is over the limit of {MAX_NAME_LEN}", value.len()),
         ));
     }
-    if let Some(c) = value.chars().find(|c| matches!(c, '{' | '}') || c.is_control()) {
+    if let Some(c) = value
+        .chars()
+        .find(|c| matches!(c, '{' | '}') || c.is_control())
+    {
         return Err(ConfigError::invalid(
             field,
             format!("{value:?} contains {c:?}; braces would change the Redis Cluster hash tag"),
@@ -147,7 +150,13 @@ mod tests {
 
     #[test]
     fn refuses_bad_names() {
-        for bad in ["", "a{b", "}x", "line\nbreak", &"x".repeat(MAX_NAME_LEN + 1)] {
+        for bad in [
+            "",
+            "a{b",
+            "}x",
+            "line\nbreak",
+            &"x".repeat(MAX_NAME_LEN + 1),
+        ] {
             assert!(LockName::new("p", bad).is_err(), "{bad:?}");
         }
         assert!(LockName::new("p{", "ok").is_err());

@@ -12,7 +12,9 @@ use bytes::Bytes;
 
 use crate::backend::{Attempt, Mode, Op};
 use crate::lock::acquire_until;
-use crate::{ConfigError, LockClient, LockConfig, LockError, LockGuard, LockName, LossReason, Token};
+use crate::{
+    ConfigError, LockClient, LockConfig, LockError, LockGuard, LockName, LossReason, Token,
+};
 
 /// A run-once lock on one name. See the [module docs](crate::once).
 ///
@@ -168,8 +170,13 @@ impl Once {
     /// assert!(matches!(waiting.await.unwrap()?, Begin::Done(r) if &r[..] == b"done"));
     /// # Ok(()) }
     /// ```
-    pub async fn begin_wait(&self, tag: impl Into<Bytes>, wait: Duration) -> Result<Begin, LockError> {
-        self.begin_with(tag.into(), Some(Instant::now() + wait)).await
+    pub async fn begin_wait(
+        &self,
+        tag: impl Into<Bytes>,
+        wait: Duration,
+    ) -> Result<Begin, LockError> {
+        self.begin_with(tag.into(), Some(Instant::now() + wait))
+            .await
     }
 
     async fn begin_with(&self, tag: Bytes, deadline: Option<Instant>) -> Result<Begin, LockError> {

@@ -123,13 +123,20 @@ async fn run(
 pub(crate) async fn release(backend: &dyn Backend, op: &Op, config: &LockConfig) {
     match timeout(config.op_timeout(), backend.release(op)).await {
         Ok(Ok(held)) => {
-            tracing::debug!(lock = op.name.as_str(), still_held = held, "released on drop");
+            tracing::debug!(
+                lock = op.name.as_str(),
+                still_held = held,
+                "released on drop"
+            );
         }
         Ok(Err(error)) => {
             tracing::debug!(lock = op.name.as_str(), %error, "release on drop failed; the lease will expire");
         }
         Err(_) => {
-            tracing::debug!(lock = op.name.as_str(), "release on drop timed out; the lease will expire");
+            tracing::debug!(
+                lock = op.name.as_str(),
+                "release on drop timed out; the lease will expire"
+            );
         }
     }
 }

@@ -45,7 +45,10 @@ async fn acquire_release_and_fencing() {
     let value: String = redis.get(lock.name().lock_key()).await.unwrap();
     assert_eq!(value, a.token().as_str(), "the value is the owner token");
     let pttl: i64 = redis.pttl(lock.name().lock_key()).await.unwrap();
-    assert!(pttl > 0 && pttl <= 10_000, "the lease is the key's expiry: {pttl}");
+    assert!(
+        pttl > 0 && pttl <= 10_000,
+        "the lease is the key's expiry: {pttl}"
+    );
 
     match lock.try_acquire().await {
         Err(LockError::Held { retry_after, .. }) => assert!(retry_after.is_some()),
@@ -135,12 +138,22 @@ async fn a_stalled_holder_loses_the_lock_and_cannot_delete_the_next() {
     let (reason, held, released) = tokio::task::spawn_blocking(move || holder.join().unwrap())
         .await
         .unwrap();
-    assert!(matches!(reason, LossReason::Expired | LossReason::NotOwner), "{reason:?}");
+    assert!(
+        matches!(reason, LossReason::Expired | LossReason::NotOwner),
+        "{reason:?}"
+    );
     assert!(!held);
-    assert!(!released, "the old holder's release found the lock not its own");
+    assert!(
+        !released,
+        "the old holder's release found the lock not its own"
+    );
     let mut redis = server.connection().await;
     let value: String = redis.get(lock.name().lock_key()).await.unwrap();
-    assert_eq!(value, new.token().as_str(), "the new holder's lock is intact");
+    assert_eq!(
+        value,
+        new.token().as_str(),
+        "the new holder's lock is intact"
+    );
     assert!(new.release().await.unwrap());
 }
 
@@ -165,13 +178,29 @@ async fn article_000_a_loser_cannot_touch_the_holders_lock() {
     let c5_sees: i64 = r.get(&key).await.unwrap();
     assert!(c4_sees < now() && c5_sees < now());
     let t4 = now() + 10_000;
-    let old4: i64 = redis::cmd("GETSET").arg(&key).arg(t4).query_async(&mut r).await.unwrap();
+    let old4: i64 = redis::cmd("GETSET")
+        .arg(&key)
+        .arg(t4)
+        .query_async(&mut r)
+        .await
+        .unwrap();
     assert!(old4 < now(), "C4 wins");
     let t5 = t4 + 1;
-    let old5: i64 = redis::cmd("GETSET").arg(&key).arg(t5).query_async(&mut r).await.unwrap();
-    assert_eq!(old5, t4, "C5 loses, but has already overwritten C4's expiry");
+    let old5: i64 = redis::cmd("GETSET")
+        .arg(&key)
+        .arg(t5)
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    assert_eq!(
+        old5, t4,
+        "C5 loses, but has already overwritten C4's expiry"
+    );
     let value: i64 = r.get(&key).await.unwrap();
-    assert_ne!(value, t4, "C4's unlock (delete if the value is mine) now fails: the bug");
+    assert_ne!(
+        value, t4,
+        "C4's unlock (delete if the value is mine) now fails: the bug"
+    );
 
     // This crate: a loser's attempt writes nothing.
     let c = client(&server, &prefix, LockConfig::default()).await;
@@ -179,12 +208,22 @@ async fn article_000_a_loser_cannot_touch_the_holders_lock() {
     let holder = lock.try_acquire().await.unwrap();
     let pttl_before: i64 = r.pttl(lock.name().lock_key()).await.unwrap();
     for _ in 0..5 {
-        assert!(matches!(lock.try_acquire().await, Err(LockError::Held { .. })));
+        assert!(matches!(
+            lock.try_acquire().await,
+            Err(LockError::Held { .. })
+        ));
     }
     let value: String = r.get(lock.name().lock_key()).await.unwrap();
-    assert_eq!(value, holder.token().as_str(), "the value is still the holder's");
+    assert_eq!(
+        value,
+        holder.token().as_str(),
+        "the value is still the holder's"
+    );
     let pttl_after: i64 = r.pttl(lock.name().lock_key()).await.unwrap();
-    assert!(pttl_after <= pttl_before, "losers never extend or rewrite the lease");
+    assert!(
+        pttl_after <= pttl_before,
+        "losers never extend or rewrite the lease"
+    );
     assert!(holder.release().await.unwrap(), "the holder unlocks");
 }
 
@@ -201,28 +240,62 @@ async fn article_002_an_expired_holder_cannot_release_the_next_holders_lock() {
     );
 
     // The recipe: every caller uses the value 1.
-    let a: bool = redis::cmd("SET").arg(&key).arg(1).arg("NX").arg("PX").arg(100)
-        .query_async::<Option<String>>(&mut r).await.unwrap().is_some();
+    let a: bool = redis::cmd("SET")
+        .arg(&key)
+        .arg(1)
+        .arg("NX")
+        .arg("PX")
+        .arg(100)
+        .query_async::<Option<String>>(&mut r)
+        .await
+        .unwrap()
+        .is_some();
     assert!(a);
     tokio::time::sleep(ms(200)).await; // A is slow; its lock expires.
-    let b = redis::cmd("SET").arg(&key).arg(1).arg("NX").arg("PX").arg(10_000)
-        .query_async::<Option<String>>(&mut r).await.unwrap().is_some();
+    let b = redis::cmd("SET")
+        .arg(&key)
+        .arg(1)
+        .arg("NX")
+        .arg("PX")
+        .arg(10_000)
+        .query_async::<Option<String>>(&mut r)
+        .await
+        .unwrap()
+        .is_some();
     assert!(b, "B takes the lock");
     let deleted: i64 = unlock.key(&key).arg(1).invoke_async(&mut r).await.unwrap();
     assert_eq!(deleted, 1, "A's 'safe' unlock deletes B's lock");
-    let c = redis::cmd("SET").arg(&key).arg(1).arg("NX").arg("PX").arg(10_000)
-        .query_async::<Option<String>>(&mut r).await.unwrap().is_some();
-    assert!(c, "C takes the lock while B still works: two holders, the bug");
+    let c = redis::cmd("SET")
+        .arg(&key)
+        .arg(1)
+        .arg("NX")
+        .arg("PX")
+        .arg(10_000)
+        .query_async::<Option<String>>(&mut r)
+        .await
+        .unwrap()
+        .is_some();
+    assert!(
+        c,
+        "C takes the lock while B still works: two holders, the bug"
+    );
 
     // This crate.
-    let config = LockConfig::builder().lease(ms(100)).watchdog(false).build().unwrap();
+    let config = LockConfig::builder()
+        .lease(ms(100))
+        .watchdog(false)
+        .build()
+        .unwrap();
     let client_a = client(&server, &prefix, config).await;
     let client_b = client(&server, &prefix, LockConfig::default()).await;
     let guard_a = client_a.lock("res").unwrap().try_acquire().await.unwrap();
     tokio::time::sleep(ms(200)).await;
     let lock_b = client_b.lock("res").unwrap();
     let guard_b = lock_b.try_acquire().await.unwrap();
-    assert!(!guard_a.release().await.unwrap(), "A's release finds the lock is not A's");
+    assert!(
+        !guard_a.release().await.unwrap(),
+        "A's release finds the lock is not A's"
+    );
     assert!(
         matches!(lock_b.try_acquire().await, Err(LockError::Held { .. })),
         "B's lock is intact: C cannot take it"
@@ -282,7 +355,10 @@ async fn the_watchdog_keeps_a_long_hold() {
     let mut r = server.connection().await;
     let value: String = r.get(lock.name().lock_key()).await.unwrap();
     assert_eq!(value, guard.token().as_str());
-    assert!(matches!(lock.try_acquire().await, Err(LockError::Held { .. })));
+    assert!(matches!(
+        lock.try_acquire().await,
+        Err(LockError::Held { .. })
+    ));
     assert!(guard.release().await.unwrap());
 }
 
@@ -334,18 +410,34 @@ async fn reentrant_holds_nest_per_owner() {
     let c = client(&server, &prefix, LockConfig::default()).await;
     let me = OwnerId::new("worker-1").unwrap();
     let other = OwnerId::new("worker-2").unwrap();
-    let outer = c.reentrant("ledger", &me).unwrap().try_acquire().await.unwrap();
-    let inner = c.reentrant("ledger", &me).unwrap().try_acquire().await.unwrap();
+    let outer = c
+        .reentrant("ledger", &me)
+        .unwrap()
+        .try_acquire()
+        .await
+        .unwrap();
+    let inner = c
+        .reentrant("ledger", &me)
+        .unwrap()
+        .try_acquire()
+        .await
+        .unwrap();
     assert_eq!(inner.fence(), outer.fence());
     let theirs = c.reentrant("ledger", &other).unwrap();
-    assert!(matches!(theirs.try_acquire().await, Err(LockError::Held { .. })));
+    assert!(matches!(
+        theirs.try_acquire().await,
+        Err(LockError::Held { .. })
+    ));
     // An exclusive lock on the same name is excluded too.
     assert!(matches!(
         c.lock("ledger").unwrap().try_acquire().await,
         Err(LockError::Held { .. })
     ));
     assert!(inner.release().await.unwrap());
-    assert!(matches!(theirs.try_acquire().await, Err(LockError::Held { .. })));
+    assert!(matches!(
+        theirs.try_acquire().await,
+        Err(LockError::Held { .. })
+    ));
     let waiting = tokio::spawn({
         let theirs = theirs.clone();
         async move { theirs.acquire(Duration::from_secs(10)).await }
@@ -374,7 +466,12 @@ async fn an_ambiguous_acquisition_is_cleaned_up() {
 
     let mut slow = server.connection().await;
     let sleeper = tokio::spawn(async move {
-        let _: () = redis::cmd("DEBUG").arg("SLEEP").arg(0.3).query_async(&mut slow).await.unwrap();
+        let _: () = redis::cmd("DEBUG")
+            .arg("SLEEP")
+            .arg(0.3)
+            .query_async(&mut slow)
+            .await
+            .unwrap();
     });
     tokio::time::sleep(ms(50)).await;
     match lock.try_acquire().await {
@@ -393,7 +490,10 @@ async fn an_ambiguous_acquisition_is_cleaned_up() {
         }
         tokio::time::sleep(ms(20)).await;
     }
-    assert!(gone, "the lock taken by the timed-out attempt was deleted (its lease is 60 s)");
+    assert!(
+        gone,
+        "the lock taken by the timed-out attempt was deleted (its lease is 60 s)"
+    );
     assert!(lock.try_acquire().await.unwrap().release().await.unwrap());
 }
 
@@ -425,7 +525,10 @@ async fn a_crashed_holders_lock_is_taken_when_its_lease_ends() {
     .unwrap();
     let c = client(&server, &prefix, LockConfig::default()).await;
     let lock = c.lock("k").unwrap();
-    assert!(matches!(lock.try_acquire().await, Err(LockError::Held { .. })));
+    assert!(matches!(
+        lock.try_acquire().await,
+        Err(LockError::Held { .. })
+    ));
     let guard = lock.acquire(Duration::from_secs(10)).await.unwrap();
     assert!(guard.fence() > fence);
 }
@@ -437,7 +540,11 @@ async fn once_records_on_redis() {
     let server = RedisServer::start().await;
     let prefix = testkit::unique_prefix("once");
     let c = client(&server, &prefix, LockConfig::default()).await;
-    let once = c.once("evt_1").unwrap().retention(Duration::from_secs(60)).unwrap();
+    let once = c
+        .once("evt_1")
+        .unwrap()
+        .retention(Duration::from_secs(60))
+        .unwrap();
     let Begin::Acquired(first) = once.begin("fp-a").await.unwrap() else {
         panic!("free")
     };
@@ -465,7 +572,10 @@ async fn once_records_on_redis() {
     assert!(fence >= 2);
     let mut r = server.connection().await;
     let ttl: i64 = r.pttl(once.name().state_key()).await.unwrap();
-    assert!(ttl > 0 && ttl <= 60_000, "the record is kept for the retention: {ttl}");
+    assert!(
+        ttl > 0 && ttl <= 60_000,
+        "the record is kept for the retention: {ttl}"
+    );
 }
 
 /// A completion whose lease was lost stores nothing.

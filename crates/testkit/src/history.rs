@@ -158,12 +158,13 @@ pub fn check(sections: &[Section]) -> Result<Report, String> {
             return Err(format!("section leaves before it enters: {section:?}"));
         }
         if let Some(prev) = latest
-            && section.enter < prev.leave {
-                return Err(format!(
-                    "two holders at once: {prev:?} overlaps {section:?} by {} ns",
-                    prev.leave - section.enter
-                ));
-            }
+            && section.enter < prev.leave
+        {
+            return Err(format!(
+                "two holders at once: {prev:?} overlaps {section:?} by {} ns",
+                prev.leave - section.enter
+            ));
+        }
         if latest.is_none_or(|p| section.leave > p.leave) {
             latest = Some(section);
         }
@@ -192,7 +193,13 @@ mod tests {
     #[test]
     fn accepts_a_clean_history_and_rejects_overlap_and_bad_fences() {
         let clean = [s("a", 1, 0, 10), s("b", 2, 10, 20), s("a", 3, 25, 30)];
-        assert_eq!(check(&clean).unwrap(), Report { sections: 3, holders: 2 });
+        assert_eq!(
+            check(&clean).unwrap(),
+            Report {
+                sections: 3,
+                holders: 2
+            }
+        );
         let overlap = [s("a", 1, 0, 10), s("b", 2, 9, 20)];
         assert!(check(&overlap).unwrap_err().contains("two holders"));
         // Overlap with a long section that is not the immediate predecessor.

@@ -135,22 +135,23 @@ impl RedisServer {
     /// Like [`start`](Self::start) but returns the error.
     pub async fn try_start() -> Result<Self, HarnessError> {
         if let Ok(url) = std::env::var("REDIS_URL")
-            && !url.is_empty() {
-                let port = redis::Client::open(url.as_str())
-                    .ok()
-                    .and_then(|c| match c.get_connection_info().addr() {
-                        redis::ConnectionAddr::Tcp(_, port) => Some(*port),
-                        _ => None,
-                    })
-                    .unwrap_or(0);
-                let server = RedisServer {
-                    kind: Kind::External,
-                    url: Mutex::new(url),
-                    port: Mutex::new(port),
-                };
-                server.wait_ready(Duration::from_secs(10)).await?;
-                return Ok(server);
-            }
+            && !url.is_empty()
+        {
+            let port = redis::Client::open(url.as_str())
+                .ok()
+                .and_then(|c| match c.get_connection_info().addr() {
+                    redis::ConnectionAddr::Tcp(_, port) => Some(*port),
+                    _ => None,
+                })
+                .unwrap_or(0);
+            let server = RedisServer {
+                kind: Kind::External,
+                url: Mutex::new(url),
+                port: Mutex::new(port),
+            };
+            server.wait_ready(Duration::from_secs(10)).await?;
+            return Ok(server);
+        }
         Self::try_start_owned(ServerOptions::default()).await
     }
 
@@ -217,7 +218,9 @@ impl RedisServer {
                 Err(e) => last = e.0,
             }
         }
-        Err(HarnessError(format!("redis-server would not start: {last}")))
+        Err(HarnessError(format!(
+            "redis-server would not start: {last}"
+        )))
     }
 
     fn process(&self, what: &str) -> &Process {
@@ -249,7 +252,8 @@ impl RedisServer {
         *process.child.lock().unwrap() = Some(child);
         if let Err(e) = self.wait_ready(Duration::from_secs(10)).await {
             self.kill();
-            let log = std::fs::read_to_string(process.dir.path().join("redis.log")).unwrap_or_default();
+            let log =
+                std::fs::read_to_string(process.dir.path().join("redis.log")).unwrap_or_default();
             let tail: String = log.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
             return Err(HarnessError(format!("{e}; log: {tail}")));
         }
@@ -263,9 +267,10 @@ impl RedisServer {
         while Instant::now() < deadline {
             if let Kind::Process(p) = &self.kind
                 && let Some(child) = p.child.lock().unwrap().as_mut()
-                    && let Ok(Some(status)) = child.try_wait() {
-                        return Err(HarnessError(format!("redis-server exited: {status}")));
-                    }
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                return Err(HarnessError(format!("redis-server exited: {status}")));
+            }
             let attempt = tokio::time::timeout(Duration::from_secs(1), async {
                 let mut conn = client.get_multiplexed_async_connection().await?;
                 redis::cmd("PING").query_async::<String>(&mut conn).await
@@ -376,7 +381,9 @@ impl RedisServer {
                     .expect("the restarted container exposes 6379");
                 *self.port.lock().unwrap() = port;
                 *self.url.lock().unwrap() = format!("redis://127.0.0.1:{port}/");
-                self.wait_ready(Duration::from_secs(30)).await.expect("container restarted");
+                self.wait_ready(Duration::from_secs(30))
+                    .await
+                    .expect("container restarted");
             }
             _ => {
                 self.kill();
@@ -391,11 +398,12 @@ impl RedisServer {
 impl Drop for RedisServer {
     fn drop(&mut self) {
         if let Kind::Process(p) = &self.kind
-            && let Some(mut child) = p.child.lock().unwrap().take() {
-                // SIGKILL also ends a SIGSTOPped process.
-                let _ = child.kill();
-                let _ = child.wait();
-            }
+            && let Some(mut child) = p.child.lock().unwrap().take()
+        {
+            // SIGKILL also ends a SIGSTOPped process.
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }
 
@@ -440,7 +448,11 @@ async fn start_container() -> Result<RedisServer, HarnessError> {
     let container = match started {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => return Err(HarnessError(format!("Docker engine unavailable ({e})"))),
-        Err(_) => return Err(HarnessError("Docker did not start a container within 120 s".into())),
+        Err(_) => {
+            return Err(HarnessError(
+                "Docker did not start a container within 120 s".into(),
+            ));
+        }
     };
     let port = container
         .get_host_port_ipv4(6379)

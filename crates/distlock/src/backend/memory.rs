@@ -80,7 +80,10 @@ impl MemoryLimits {
 #[derive(Debug)]
 enum Holder {
     Exclusive(String),
-    Reentrant { owner: String, holds: HashSet<String> },
+    Reentrant {
+        owner: String,
+        holds: HashSet<String>,
+    },
 }
 
 #[derive(Debug)]
@@ -171,7 +174,13 @@ impl Store {
 
     /// Makes room for `entries` more entries and `bytes` more bytes, evicting idle state in order
     /// of expiry. Returns false if that is not possible.
-    fn make_room(&mut self, limits: &MemoryLimits, entries: usize, bytes: usize, now: Instant) -> bool {
+    fn make_room(
+        &mut self,
+        limits: &MemoryLimits,
+        entries: usize,
+        bytes: usize,
+        now: Instant,
+    ) -> bool {
         let fits = |s: &Store| {
             s.locks.len() + s.states.len() + entries <= limits.max_entries
                 && s.bytes + bytes <= limits.max_bytes
@@ -193,7 +202,10 @@ impl Store {
             if self.states.contains_key(&key) {
                 self.remove_state(&key);
                 self.evicted += 1;
-                tracing::warn!(key, "in-memory lock store full: evicted idle state before its expiry");
+                tracing::warn!(
+                    key,
+                    "in-memory lock store full: evicted idle state before its expiry"
+                );
             }
         }
         fits(self)
@@ -485,7 +497,13 @@ mod tests {
             ..a.clone()
         };
         assert_eq!(b.acquire_now(&a).unwrap(), Attempt::Acquired { fence: 1 });
-        assert!(matches!(b.acquire_now(&c).unwrap(), Attempt::Held { ttl: Some(_), tag: None }));
+        assert!(matches!(
+            b.acquire_now(&c).unwrap(),
+            Attempt::Held {
+                ttl: Some(_),
+                tag: None
+            }
+        ));
         assert!(!b.release_now(&c), "someone else's token releases nothing");
         assert!(!b.extend_now(&c, Duration::from_secs(1)));
         assert!(b.extend_now(&a, Duration::from_secs(1)));
@@ -505,7 +523,10 @@ mod tests {
             ..a.clone()
         };
         assert_eq!(b.acquire_now(&c).unwrap(), Attempt::Acquired { fence: 2 });
-        assert!(!b.release_now(&a), "the old holder cannot delete the new lock");
+        assert!(
+            !b.release_now(&a),
+            "the old holder cannot delete the new lock"
+        );
         assert!(!b.extend_now(&a, Duration::from_secs(1)));
     }
 
@@ -513,20 +534,41 @@ mod tests {
     fn reentrant_holds_nest_per_owner() {
         let b = MemoryBackend::new(MemoryLimits::default());
         let owner = OwnerId::random();
-        let h1 = op("r", Mode::Reentrant { owner: owner.clone() }, 10_000);
+        let h1 = op(
+            "r",
+            Mode::Reentrant {
+                owner: owner.clone(),
+            },
+            10_000,
+        );
         let h2 = Op {
             token: Token::random(),
             ..h1.clone()
         };
-        let other = op("r", Mode::Reentrant { owner: OwnerId::random() }, 10_000);
+        let other = op(
+            "r",
+            Mode::Reentrant {
+                owner: OwnerId::random(),
+            },
+            10_000,
+        );
         assert_eq!(b.acquire_now(&h1).unwrap(), Attempt::Acquired { fence: 1 });
         assert_eq!(b.acquire_now(&h2).unwrap(), Attempt::Acquired { fence: 1 });
-        assert!(matches!(b.acquire_now(&other).unwrap(), Attempt::Held { .. }));
+        assert!(matches!(
+            b.acquire_now(&other).unwrap(),
+            Attempt::Held { .. }
+        ));
         assert!(b.release_now(&h1));
-        assert!(matches!(b.acquire_now(&other).unwrap(), Attempt::Held { .. }));
+        assert!(matches!(
+            b.acquire_now(&other).unwrap(),
+            Attempt::Held { .. }
+        ));
         assert!(!b.release_now(&h1), "a hold is released once");
         assert!(b.release_now(&h2));
-        assert_eq!(b.acquire_now(&other).unwrap(), Attempt::Acquired { fence: 2 });
+        assert_eq!(
+            b.acquire_now(&other).unwrap(),
+            Attempt::Acquired { fence: 2 }
+        );
     }
 
     #[test]
@@ -565,7 +607,10 @@ mod tests {
         };
         for i in 0..50 {
             let o = op(&format!("k{i}"), mode.clone(), 10_000);
-            assert!(matches!(b.acquire_now(&o).unwrap(), Attempt::Acquired { .. }));
+            assert!(matches!(
+                b.acquire_now(&o).unwrap(),
+                Attempt::Acquired { .. }
+            ));
             assert!(b.complete_now(&o, b"r").unwrap());
         }
         let (entries, _, evicted) = b.usage();
@@ -580,7 +625,10 @@ mod tests {
             })
             .collect();
         let more = op("h-extra", Mode::Exclusive, 10_000);
-        assert!(matches!(b.acquire_now(&more), Err(LockError::Capacity { .. })));
+        assert!(matches!(
+            b.acquire_now(&more),
+            Err(LockError::Capacity { .. })
+        ));
         for o in &held {
             assert!(b.release_now(o));
         }
@@ -589,16 +637,26 @@ mod tests {
     #[test]
     fn byte_accounting_returns_to_zero() {
         let b = MemoryBackend::new(MemoryLimits::default());
-        let mut o = op("bytes", Mode::Once {
-            tag: Bytes::from_static(b"tag"),
-            retention: Duration::from_millis(30),
-        }, 20);
-        assert!(matches!(b.acquire_now(&o).unwrap(), Attempt::Acquired { .. }));
+        let mut o = op(
+            "bytes",
+            Mode::Once {
+                tag: Bytes::from_static(b"tag"),
+                retention: Duration::from_millis(30),
+            },
+            20,
+        );
+        assert!(matches!(
+            b.acquire_now(&o).unwrap(),
+            Attempt::Acquired { .. }
+        ));
         assert!(b.complete_now(&o, &[7u8; 1000]).unwrap());
         assert!(b.usage().1 > 1000);
         std::thread::sleep(Duration::from_millis(40));
         o.token = Token::random();
-        assert!(matches!(b.acquire_now(&o).unwrap(), Attempt::Acquired { fence: 1 }));
+        assert!(matches!(
+            b.acquire_now(&o).unwrap(),
+            Attempt::Acquired { fence: 1 }
+        ));
         assert!(b.release_now(&o));
         std::thread::sleep(Duration::from_millis(40));
         b.store().sweep(Instant::now());

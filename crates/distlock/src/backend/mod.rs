@@ -79,8 +79,11 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Deletes the lock (one hold of a reentrant lock) if held by `op.token`, and announces it.
     fn release<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<bool, LockError>>;
     /// (`Once`) Stores `record` and releases, if the lock is still held by `op.token`.
-    fn complete<'a>(&'a self, op: &'a Op, record: &'a [u8])
-    -> BoxFuture<'a, Result<bool, LockError>>;
+    fn complete<'a>(
+        &'a self,
+        op: &'a Op,
+        record: &'a [u8],
+    ) -> BoxFuture<'a, Result<bool, LockError>>;
     /// Connects and loads whatever the operations need, so the first real operation does not
     /// pay for it.
     fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>>;

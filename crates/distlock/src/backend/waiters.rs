@@ -175,7 +175,10 @@ mod tests {
         let woke_b = tokio::time::timeout(Duration::from_millis(50), b.notified())
             .await
             .is_ok();
-        assert!(woke_a ^ woke_b, "exactly one waiter wakes: {woke_a} {woke_b}");
+        assert!(
+            woke_a ^ woke_b,
+            "exactly one waiter wakes: {woke_a} {woke_b}"
+        );
     }
 
     #[tokio::test]
@@ -191,7 +194,10 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        assert!(rx.try_recv().is_err(), "the second waiter shares the subscription");
+        assert!(
+            rx.try_recv().is_err(),
+            "the second waiter shares the subscription"
+        );
         drop(a);
         assert!(rx.try_recv().is_err());
         drop(b);

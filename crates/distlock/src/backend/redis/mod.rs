@@ -70,15 +70,27 @@ pub(crate) fn parse_attempt(name: &str, reply: Value) -> Result<Attempt, LockErr
         return Err(bad("not an array"));
     };
     let mut items = items.into_iter();
-    let status = items.next().as_ref().and_then(int).ok_or_else(|| bad("no status"))?;
+    let status = items
+        .next()
+        .as_ref()
+        .and_then(int)
+        .ok_or_else(|| bad("no status"))?;
     match status {
         1 => {
-            let fence = items.next().as_ref().and_then(int).ok_or_else(|| bad("no fence"))?;
+            let fence = items
+                .next()
+                .as_ref()
+                .and_then(int)
+                .ok_or_else(|| bad("no fence"))?;
             let fence = u64::try_from(fence).map_err(|_| bad("negative fence"))?;
             Ok(Attempt::Acquired { fence })
         }
         0 => {
-            let pttl = items.next().as_ref().and_then(int).ok_or_else(|| bad("no ttl"))?;
+            let pttl = items
+                .next()
+                .as_ref()
+                .and_then(int)
+                .ok_or_else(|| bad("no ttl"))?;
             let ttl = match pttl {
                 // The key has no expiry: someone set it without a lease.
                 -1 => None,
@@ -90,7 +102,10 @@ pub(crate) fn parse_attempt(name: &str, reply: Value) -> Result<Attempt, LockErr
             Ok(Attempt::Held { ttl, tag })
         }
         2 => {
-            let record = items.next().and_then(bytes).ok_or_else(|| bad("no record"))?;
+            let record = items
+                .next()
+                .and_then(bytes)
+                .ok_or_else(|| bad("no record"))?;
             Ok(Attempt::Done { record })
         }
         other => Err(bad(&format!("unknown status {other}"))),
@@ -304,7 +319,10 @@ mod tests {
             arr(vec![Value::Int(2)]),
         ] {
             assert!(
-                matches!(parse_attempt("k", reply.clone()), Err(LockError::Protocol { .. })),
+                matches!(
+                    parse_attempt("k", reply.clone()),
+                    Err(LockError::Protocol { .. })
+                ),
                 "{reply:?}"
             );
         }

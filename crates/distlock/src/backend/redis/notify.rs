@@ -145,8 +145,15 @@ mod tests {
         let server = testkit::RedisServer::start_owned().await;
         let waiters = spawn_notifier(server.client(), Duration::from_secs(2));
         let mut waiter = waiters.register("p:{k}:rel");
-        assert!(waiter.subscribed(Duration::from_secs(10)).await, "subscription confirmed");
-        assert_eq!(publish(&server, "p:{k}:rel").await, 1, "one shared subscriber");
+        assert!(
+            waiter.subscribed(Duration::from_secs(10)).await,
+            "subscription confirmed"
+        );
+        assert_eq!(
+            publish(&server, "p:{k}:rel").await,
+            1,
+            "one shared subscriber"
+        );
         tokio::time::timeout(Duration::from_secs(10), waiter.notified())
             .await
             .expect("woken by the announcement");

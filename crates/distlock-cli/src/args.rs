@@ -1,0 +1,116 @@
+//! Command-line arguments.
+
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Run a command while holding a distributed lock in Redis (like flock(1), across machines).
+#[derive(Debug, Parser)]
+#[command(name = "distlock", version, after_help = crate::exit::TABLE)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Acquire the lock, run CMD while renewing it, release it when CMD ends.
+    ///
+    /// CMD gets DISTLOCK_KEY (the lock name) and DISTLOCK_FENCE (the fencing token: strictly
+    /// greater than that of every earlier holder; pass it with your writes) in its environment.
+    /// CMD runs in its own process group; SIGINT, SIGTERM and SIGHUP sent to distlock are
+    /// forwarded to it, and the lock is released after it exits.
+    #[command(after_help = crate::exit::TABLE)]
+    Run(RunArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct RunArgs {
+    /// Redis URL. Give it once for a single Redis; more than once for Redlock across
+    /// independent masters. Default: $REDIS_URL, else redis://127.0.0.1:6379/
+    #[arg(long = "redis", value_name = "URL")]
+    pub(crate) redis: Vec<String>,
+
+    /// Lock name (no braces or control characters).
+    #[arg(long, value_name = "NAME")]
+    pub(crate) key: String,
+
+    /// Lease: how long the lock survives without renewal (renewed every lease/3 while CMD runs).
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub(crate) lease: Duration,
+
+    /// How long to wait for the lock; 0 tries once.
+    #[arg(long, value_name = "DURATION", default_value = "0s", value_parser = parse_duration)]
+    pub(crate) wait: Duration,
+
+    /// Cap on the total hold time: after it the lease is not renewed and CMD is terminated.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub(crate) max_hold: Option<Duration>,
+
+    /// After SIGTERM on lease loss, send SIGKILL if CMD has not exited within this time.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub(crate) kill_after: Duration,
+
+    /// Key prefix in Redis.
+    #[arg(long, value_name = "PREFIX", default_value = distlock::DEFAULT_PREFIX)]
+    pub(crate) prefix: String,
+
+    /// Say on stderr when the lock is acquired and released.
+    #[arg(long, short)]
+    pub(crate) verbose: bool,
+
+    /// The command and its arguments.
+    #[arg(required = true, last = true, value_name = "CMD")]
+    pub(crate) command: Vec<String>,
+}
+
+/// Parses `10s`, `500ms`, `2m`, `1h`, `1.5s`, or a plain number of seconds.
+pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration (examples: 500ms, 10s, 2m, 1h)"))?;
+    let scale = match unit {
+        "ms" => 0.001,
+        "" | "s" => 1.0,
+        "m" => 60.0,
+        "h" => 3600.0,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {text:?} (use ms, s, m or h)"
+            ));
+        }
+    };
+    Duration::try_from_secs_f64(value * scale).map_err(|e| format!("{text:?}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("10s").unwrap(), Duration::from_secs(10));
+        assert_eq!(parse_duration("10").unwrap(), Duration::from_secs(10));
+        assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
+        for bad in ["", "s", "10x", "-1s", "1e9999s", "ten"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_command_comes_after_two_dashes() {
+        let cli =
+            Cli::try_parse_from(["distlock", "run", "--key", "k", "--", "echo", "--key"]).unwrap();
+        let Command::Run(args) = cli.command;
+        assert_eq!(args.command, ["echo", "--key"]);
+        assert!(Cli::try_parse_from(["distlock", "run", "--key", "k"]).is_err());
+    }
+}

@@ -1,0 +1,212 @@
+//! `distlock run`: hold the lock while a command runs.
+
+use std::process::ExitStatus;
+use std::time::Duration;
+
+use distlock::{LockClient, LockConfig, LockError, LockGuard};
+use rustix::process::{Pid, Signal, kill_process_group};
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::args::RunArgs;
+use crate::exit;
+
+/// The default Redis when neither `--redis` nor `REDIS_URL` is given.
+const DEFAULT_URL: &str = "redis://127.0.0.1:6379/";
+
+fn fail(code: i32, message: impl std::fmt::Display) -> i32 {
+    eprintln!("distlock: {message}");
+    code
+}
+
+/// The error with its sources, on one line.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+fn code_for(error: &LockError) -> i32 {
+    match error {
+        LockError::Held { .. } | LockError::WaitTimeout { .. } => exit::TEMPFAIL,
+        e if e.is_unavailable() => exit::UNAVAILABLE,
+        LockError::Config(_) => exit::USAGE,
+        _ => exit::SOFTWARE,
+    }
+}
+
+/// Runs the command under the lock and returns the exit code.
+pub(crate) async fn run(args: RunArgs) -> i32 {
+    let urls = if args.redis.is_empty() {
+        vec![std::env::var("REDIS_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())]
+    } else {
+        args.redis.clone()
+    };
+    let mut config = LockConfig::builder().lease(args.lease);
+    if let Some(cap) = args.max_hold {
+        config = config.max_hold(cap);
+    }
+    let config = match config.build() {
+        Ok(config) => config,
+        Err(e) => return fail(exit::USAGE, e),
+    };
+    let client = match connect(&urls, &args.prefix, config) {
+        Ok(client) => client,
+        Err(e) => return fail(exit::USAGE, e),
+    };
+    let lock = match client.lock(&args.key) {
+        Ok(lock) => lock,
+        Err(e) => return fail(exit::USAGE, e),
+    };
+    if let Err(e) = client.prepare().await {
+        return fail(
+            exit::UNAVAILABLE,
+            format!("redis unreachable ({}): {}", urls.join(", "), chain(&e)),
+        );
+    }
+    let acquired = if args.wait.is_zero() {
+        lock.try_acquire().await
+    } else {
+        lock.acquire(args.wait).await
+    };
+    let guard = match acquired {
+        Ok(guard) => guard,
+        Err(e) => {
+            let code = code_for(&e);
+            let message = match code {
+                exit::TEMPFAIL => format!(
+                    "lock {:?} is held by another owner; not acquired within --wait {:?}",
+                    args.key, args.wait
+                ),
+                exit::UNAVAILABLE => format!("redis unreachable: {}", chain(&e)),
+                _ => chain(&e),
+            };
+            return fail(code, message);
+        }
+    };
+    if args.verbose {
+        eprintln!(
+            "distlock: acquired {:?} (fence {})",
+            args.key,
+            guard.fence()
+        );
+    }
+    let code = supervise(&args, &guard).await;
+    match guard.release().await {
+        Ok(true) => {
+            if args.verbose {
+                eprintln!("distlock: released {:?}", args.key);
+            }
+        }
+        Ok(false) => eprintln!(
+            "distlock: lock {:?} was no longer ours at release",
+            args.key
+        ),
+        Err(e) => eprintln!(
+            "distlock: release of {:?} failed ({}); it expires with its lease",
+            args.key,
+            chain(&e)
+        ),
+    }
+    code
+}
+
+fn connect(
+    urls: &[String],
+    prefix: &str,
+    config: LockConfig,
+) -> Result<LockClient, distlock::ConfigError> {
+    let builder = LockClient::builder().config(config).prefix(prefix)?;
+    match urls {
+        [url] => builder.connect(url),
+        _ => Err(distlock::ConfigError::Invalid {
+            field: "redis",
+            reason: "several --redis (Redlock) are not supported by this build yet".into(),
+        }),
+    }
+}
+
+/// Spawns CMD and waits for it, terminating it if the lease is lost and forwarding signals.
+async fn supervise(args: &RunArgs, guard: &LockGuard) -> i32 {
+    let mut command = tokio::process::Command::new(&args.command[0]);
+    command
+        .args(&args.command[1..])
+        .env("DISTLOCK_KEY", &args.key)
+        .env("DISTLOCK_FENCE", guard.fence().to_string())
+        .process_group(0);
+    let mut child = match command.spawn() {
+        Ok(child) => child,
+        Err(e) => {
+            let code = match e.kind() {
+                std::io::ErrorKind::NotFound => exit::NOT_FOUND,
+                _ => exit::CANNOT_EXECUTE,
+            };
+            return fail(code, format!("cannot run {:?}: {e}", args.command[0]));
+        }
+    };
+    let group = child
+        .id()
+        .and_then(|id| Pid::from_raw(id as i32))
+        .expect("a spawned child has a pid");
+    let send = |sig: Signal| {
+        let _ = kill_process_group(group, sig);
+    };
+    let (mut term, mut int, mut hup) = match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::hangup()),
+    ) {
+        (Ok(t), Ok(i), Ok(h)) => (t, i, h),
+        _ => {
+            send(Signal::KILL);
+            let _ = child.wait().await;
+            return fail(exit::SOFTWARE, "cannot install signal handlers");
+        }
+    };
+    let mut lost = false;
+    let kill_at = tokio::time::sleep(Duration::MAX);
+    tokio::pin!(kill_at);
+    let status: std::io::Result<ExitStatus> = loop {
+        tokio::select! {
+            status = child.wait() => break status,
+            reason = guard.lost(), if !lost => {
+                lost = true;
+                eprintln!(
+                    "distlock: lease on {:?} lost ({reason}); sending SIGTERM to CMD (pid {})",
+                    args.key,
+                    group.as_raw_pid()
+                );
+                send(Signal::TERM);
+                kill_at.as_mut().reset(tokio::time::Instant::now() + args.kill_after);
+            }
+            () = &mut kill_at, if lost => {
+                eprintln!("distlock: CMD still running {:?} after SIGTERM; sending SIGKILL", args.kill_after);
+                send(Signal::KILL);
+                kill_at.as_mut().reset(tokio::time::Instant::now() + Duration::from_secs(3600));
+            }
+            _ = term.recv() => send(Signal::TERM),
+            _ = int.recv() => send(Signal::INT),
+            _ = hup.recv() => send(Signal::HUP),
+        }
+    };
+    if lost {
+        return exit::LEASE_LOST;
+    }
+    match status {
+        Ok(status) => exit_code(status),
+        Err(e) => fail(exit::SOFTWARE, format!("waiting for CMD: {e}")),
+    }
+}
+
+fn exit_code(status: ExitStatus) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => code,
+        (None, Some(signal)) => 128 + signal,
+        (None, None) => exit::SOFTWARE,
+    }
+}

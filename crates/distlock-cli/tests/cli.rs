@@ -1,0 +1,409 @@
+//! The `distlock` binary against a real redis-server: exit codes, environment, release, signals,
+//! lease loss, and mutual exclusion between processes.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use distlock::LockClient;
+use redis::AsyncCommands;
+use testkit::RedisServer;
+use tokio::process::{Child, Command};
+
+const BIN: &str = env!("CARGO_BIN_EXE_distlock");
+
+fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
+}
+
+fn distlock(
+    server: &RedisServer,
+    prefix: &str,
+    key: &str,
+    extra: &[&str],
+    cmd: &[&str],
+) -> Command {
+    let mut c = Command::new(BIN);
+    c.args([
+        "run",
+        "--redis",
+        &server.url(),
+        "--prefix",
+        prefix,
+        "--key",
+        key,
+    ])
+    .args(extra)
+    .arg("--")
+    .args(cmd)
+    .env_remove("REDIS_URL")
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .kill_on_drop(true);
+    c
+}
+
+struct Outcome {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+async fn finish(child: Child) -> Outcome {
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+        .await
+        .expect("distlock exits")
+        .unwrap();
+    Outcome {
+        code: out.status.code().expect("exited normally"),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+async fn run(mut c: Command) -> Outcome {
+    finish(c.spawn().unwrap()).await
+}
+
+async fn lib_client(server: &RedisServer, prefix: &str) -> LockClient {
+    let c = LockClient::builder()
+        .prefix(prefix)
+        .unwrap()
+        .connect(&server.url())
+        .unwrap();
+    c.prepare().await.unwrap();
+    c
+}
+
+/// Waits (bounded) until `path` exists.
+async fn wait_for_file(path: &Path) {
+    for _ in 0..400 {
+        if path.exists() {
+            return;
+        }
+        tokio::time::sleep(ms(25)).await;
+    }
+    panic!("{} never appeared", path.display());
+}
+
+#[tokio::test]
+async fn passes_key_and_fence_and_the_exit_code_and_releases() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("cli-env");
+    let print = ["sh", "-c", "echo \"$DISTLOCK_KEY $DISTLOCK_FENCE\"; exit 3"];
+    let first = run(distlock(&server, &prefix, "nightly", &[], &print)).await;
+    assert_eq!(first.code, 3, "CMD's exit code: {}", first.stderr);
+    let (key, fence) = first.stdout.trim().split_once(' ').unwrap();
+    assert_eq!(key, "nightly");
+    let fence: u64 = fence.parse().unwrap();
+    let second = run(distlock(&server, &prefix, "nightly", &[], &print)).await;
+    let fence2: u64 = second
+        .stdout
+        .trim()
+        .split_once(' ')
+        .unwrap()
+        .1
+        .parse()
+        .unwrap();
+    assert!(fence2 > fence, "fencing tokens grow across runs");
+    // Released on exit: the key is gone and the library can take the lock at once.
+    let client = lib_client(&server, &prefix).await;
+    let guard = client.lock("nightly").unwrap().try_acquire().await.unwrap();
+    assert!(guard.fence() > fence2);
+}
+
+#[tokio::test]
+async fn exit_codes_for_usage_unavailable_held_and_missing_commands() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("cli-codes");
+
+    // Bad arguments: 64 with usage.
+    let out = run({
+        let mut c = Command::new(BIN);
+        c.args(["run", "--", "true"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    })
+    .await;
+    assert_eq!(out.code, 64);
+    assert!(out.stderr.contains("Usage"), "{}", out.stderr);
+    for extra in [
+        &["--lease", "5ms"][..],
+        &["--lease", "ten"],
+        &["--wait", "-1s"],
+    ] {
+        let out = run(distlock(&server, &prefix, "k", extra, &["true"])).await;
+        assert_eq!(out.code, 64, "{extra:?}: {}", out.stderr);
+    }
+    let out = run(distlock(&server, &prefix, "bad{name}", &[], &["true"])).await;
+    assert_eq!(out.code, 64, "{}", out.stderr);
+    assert!(out.stderr.contains("brace"), "{}", out.stderr);
+
+    // Redis unreachable: 69 with the error.
+    let port = testkit::free_port().unwrap();
+    let out = run({
+        let mut c = Command::new(BIN);
+        c.args([
+            "run",
+            "--redis",
+            &format!("redis://127.0.0.1:{port}/"),
+            "--key",
+            "k",
+            "--",
+            "true",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        c
+    })
+    .await;
+    assert_eq!(out.code, 69, "{}", out.stderr);
+    assert!(out.stderr.contains("unreachable"), "{}", out.stderr);
+
+    // Held by someone else past --wait: 75 with a message; CMD never runs.
+    let client = lib_client(&server, &prefix).await;
+    let _held = client.lock("busy").unwrap().try_acquire().await.unwrap();
+    let out = run(distlock(
+        &server,
+        &prefix,
+        "busy",
+        &["--wait", "300ms"],
+        &["echo", "ran"],
+    ))
+    .await;
+    assert_eq!(out.code, 75, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("held by another owner"),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stdout.is_empty());
+
+    // CMD not found: 127, and the lock is released.
+    let out = run(distlock(&server, &prefix, "k", &[], &["/nonexistent/cmd"])).await;
+    assert_eq!(out.code, 127, "{}", out.stderr);
+    let guard = client.lock("k").unwrap().try_acquire().await.unwrap();
+    assert!(
+        guard.release().await.unwrap(),
+        "the CLI released before exiting"
+    );
+}
+
+/// `--help` documents the exit codes.
+#[tokio::test]
+async fn help_lists_the_exit_codes() {
+    let out = run({
+        let mut c = Command::new(BIN);
+        c.args(["run", "--help"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    })
+    .await;
+    assert_eq!(out.code, 0);
+    for needle in ["64", "69", "75", "76", "DISTLOCK_FENCE"] {
+        assert!(out.stdout.contains(needle), "{needle} missing from help");
+    }
+}
+
+const TRAP: &str = "trap 'echo term > \"$D/term\"; exit 0' TERM; touch \"$D/started\"; while :; do sleep 0.05; done";
+
+/// The lease is lost while CMD runs (the lock is deleted behind its back): CMD gets SIGTERM and
+/// distlock exits 76.
+#[tokio::test]
+async fn lease_loss_terminates_the_command() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("cli-loss");
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = distlock(
+        &server,
+        &prefix,
+        "job",
+        &["--lease", "600ms"],
+        &["sh", "-c", TRAP],
+    );
+    c.env("D", dir.path());
+    let child = c.spawn().unwrap();
+    wait_for_file(&dir.path().join("started")).await;
+    let mut r = server.connection().await;
+    let _: () = r.del(format!("{prefix}:{{job}}")).await.unwrap();
+    let out = finish(child).await;
+    assert_eq!(out.code, 76, "{}", out.stderr);
+    assert!(out.stderr.contains("lost"), "{}", out.stderr);
+    assert!(dir.path().join("term").exists(), "CMD received SIGTERM");
+}
+
+/// Redis freezes (SIGSTOP) while CMD runs: no renewal is confirmed, the loss signal fires at
+/// the end of the lease, CMD is terminated and distlock exits 76.
+#[tokio::test]
+async fn a_frozen_redis_means_the_lease_is_lost() {
+    let server = RedisServer::start_owned().await;
+    let prefix = testkit::unique_prefix("cli-frozen");
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = distlock(
+        &server,
+        &prefix,
+        "job",
+        &["--lease", "600ms"],
+        &["sh", "-c", TRAP],
+    );
+    c.env("D", dir.path());
+    let child = c.spawn().unwrap();
+    wait_for_file(&dir.path().join("started")).await;
+    server.pause().await;
+    let term = dir.path().join("term");
+    for _ in 0..400 {
+        if term.exists() {
+            break;
+        }
+        tokio::time::sleep(ms(25)).await;
+    }
+    server.resume().await;
+    let out = finish(child).await;
+    assert_eq!(out.code, 76, "{}", out.stderr);
+    assert!(term.exists(), "CMD received SIGTERM");
+}
+
+/// SIGTERM to distlock is forwarded to CMD; distlock releases after CMD exits.
+#[tokio::test]
+async fn signals_are_forwarded_and_the_lock_released() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("cli-signal");
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = distlock(&server, &prefix, "job", &[], &["sh", "-c", TRAP]);
+    c.env("D", dir.path());
+    let child = c.spawn().unwrap();
+    wait_for_file(&dir.path().join("started")).await;
+    let pid = rustix::process::Pid::from_raw(child.id().unwrap() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    let out = finish(child).await;
+    assert_eq!(
+        out.code, 0,
+        "CMD's own exit code after its trap: {}",
+        out.stderr
+    );
+    assert!(dir.path().join("term").exists());
+    let client = lib_client(&server, &prefix).await;
+    let guard = client.lock("job").unwrap().try_acquire().await.unwrap();
+    assert!(
+        guard.release().await.unwrap(),
+        "the CLI released after CMD exited"
+    );
+}
+
+/// A distlock process killed with SIGKILL cannot release: its lock lives until the lease ends,
+/// then a waiter takes it.
+#[tokio::test]
+async fn a_killed_holder_process_loses_the_lock_after_its_lease() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("cli-kill");
+    let dir = tempfile::tempdir().unwrap();
+    // CMD ends by itself a little later: its own process group outlives the killed distlock.
+    let cmd = "touch \"$D/started\"; sleep 3";
+    let mut c = distlock(
+        &server,
+        &prefix,
+        "job",
+        &["--lease", "500ms"],
+        &["sh", "-c", cmd],
+    );
+    c.env("D", dir.path());
+    let mut child = c.spawn().unwrap();
+    wait_for_file(&dir.path().join("started")).await;
+    let client = lib_client(&server, &prefix).await;
+    let lock = client.lock("job").unwrap();
+    assert!(lock.try_acquire().await.is_err(), "held by the CLI");
+    child.kill().await.unwrap();
+    let guard = lock.acquire(Duration::from_secs(10)).await.unwrap();
+    assert!(guard.fence() >= 2);
+}
+
+/// Several OS processes (the CLI) and in-process tasks contend for one lock. Inside the critical
+/// section each creates a marker directory (`mkdir` fails if another holder is inside) and
+/// appends its fence to a log: no overlap may ever be seen, and the log must be increasing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_and_tasks_exclude_each_other() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("cli-mutex");
+    let dir = tempfile::tempdir().unwrap();
+    let section = "mkdir \"$D/in\" 2>/dev/null || echo \"overlap $DISTLOCK_FENCE\" >> \"$D/violations\"; \
+                   echo \"$DISTLOCK_FENCE\" >> \"$D/fences\"; sleep 0.01; rmdir \"$D/in\"";
+    let mut processes = Vec::new();
+    for _ in 0..3 {
+        let server_url = server.url();
+        let prefix = prefix.clone();
+        let d = dir.path().to_path_buf();
+        processes.push(tokio::spawn(async move {
+            for _ in 0..6 {
+                let out = Command::new(BIN)
+                    .args([
+                        "run",
+                        "--redis",
+                        &server_url,
+                        "--prefix",
+                        &prefix,
+                        "--key",
+                        "shared",
+                    ])
+                    .args(["--wait", "60s", "--", "sh", "-c", section])
+                    .env("D", &d)
+                    .output()
+                    .await
+                    .unwrap();
+                assert!(
+                    out.status.success(),
+                    "{}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+        }));
+    }
+    let client = lib_client(&server, &prefix).await;
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let lock = client.lock("shared").unwrap();
+        let d = dir.path().to_path_buf();
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..6 {
+                let guard = lock.acquire(Duration::from_secs(60)).await.unwrap();
+                if std::fs::create_dir(d.join("in")).is_err() {
+                    let line = format!("overlap {}\n", guard.fence());
+                    append(&d.join("violations"), &line);
+                }
+                append(&d.join("fences"), &format!("{}\n", guard.fence()));
+                tokio::time::sleep(ms(10)).await;
+                std::fs::remove_dir(d.join("in")).unwrap();
+                assert!(guard.release().await.unwrap());
+            }
+        }));
+    }
+    for t in processes.into_iter().chain(tasks) {
+        t.await.unwrap();
+    }
+    assert!(
+        !dir.path().join("violations").exists(),
+        "two holders were inside at once"
+    );
+    let fences: Vec<u64> = std::fs::read_to_string(dir.path().join("fences"))
+        .unwrap()
+        .lines()
+        .map(|l| l.parse().unwrap())
+        .collect();
+    assert_eq!(fences.len(), 36);
+    assert!(
+        fences.windows(2).all(|w| w[0] < w[1]),
+        "fences in holder order: {fences:?}"
+    );
+}
+
+fn append(path: &Path, line: &str) {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .unwrap();
+    f.write_all(line.as_bytes()).unwrap();
+}
