@@ -75,6 +75,26 @@ impl LockClient {
         LockClient::builder().memory(MemoryLimits::default())
     }
 
+    /// A client on the same store (same connections, same locks) whose locks default to
+    /// `config`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let client = distlock::LockClient::memory();
+    /// let short = distlock::LockConfig::builder().lease(Duration::from_secs(1)).build().unwrap();
+    /// assert_eq!(client.with_config(short).config().lease(), Duration::from_secs(1));
+    /// ```
+    #[must_use]
+    pub fn with_config(&self, config: LockConfig) -> LockClient {
+        LockClient {
+            inner: Arc::new(ClientInner {
+                backend: self.inner.backend.clone(),
+                config,
+                prefix: self.inner.prefix.clone(),
+            }),
+        }
+    }
+
     /// An exclusive lock on `name`.
     ///
     /// # Errors
