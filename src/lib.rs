@@ -1,3 +1,80 @@
-//! tower-idempotency: a tower Layer that makes HTTP endpoints safe to call twice.
+//! Make HTTP endpoints safe to call twice, across every instance of a service.
+//!
+//! ```no_run
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use axum::{Router, routing::post};
+//! use tower_idempotency::{IdempotencyLayer, Store};
+//!
+//! async fn pay() -> &'static str { "paid" }
+//!
+//! let app: Router = Router::new()
+//!     .route("/payments", post(pay))
+//!     .layer(IdempotencyLayer::new(Store::redis("redis://127.0.0.1:6379/")?));
+//! # Ok(()) }
+//! ```
+//!
+//! Per covered request (POST and PATCH by default):
+//!
+//! 1. **Key**: from the `Idempotency-Key` header, a JSON field (`/phone`), a form field, a path
+//!    or query parameter, or a closure ([`key`]). It is scoped to the method, the matched route
+//!    and an optional principal, and hashed: raw input never reaches the store.
+//! 2. **Fingerprint**: SHA-256 of the method, path, chosen headers and body. A key reused for a
+//!    different request gets **422**.
+//! 3. **Begin**, one atomic step in the store: a stored response is **replayed** (same status,
+//!    headers and body, plus `Idempotent-Replayed: true`); a request in flight gets **409** with
+//!    `Retry-After` (or, with [`OnConflict::Wait`], waits for it and replays its response);
+//!    otherwise the request takes a **lease** ([`distlock`]: owner token, fencing token, watchdog
+//!    renewal while the handler runs).
+//! 4. The **handler runs**; [`IdempotencyContext`] (request extension and axum extractor) gives it
+//!    the fencing token and the lease.
+//! 5. **Complete**, one atomic step: only if the lease is still ours, the response is stored for
+//!    the retention (24 h) and the lease dropped. Handler errors, panics and dropped requests
+//!    release the lease without storing, so a retry runs again.
+//!
+//! Rejections are `application/problem+json` responses ([`problem`]); the handler never runs for
+//! them. With the store unreachable the layer fails closed (503) unless built with
+//! [`fail_open`](IdempotencyLayerBuilder::fail_open).
+//!
+//! # What it guarantees
+//!
+//! * Concurrent duplicates (same key, any instance sharing the store) run the handler **at most
+//!   once at a time**; once a response is stored, **never again** within the retention.
+//! * A stored response is replayed byte for byte; a record that cannot be read is reported (500),
+//!   never re-executed.
+//! * A response too large to store is still never a reason to run the handler again.
+//!
+//! And its limits: a handler that outlives its lease (the store unreachable for longer than the
+//! lease, or the process stalled) may overlap with a retry: its completion is then refused and
+//! counted (`lease_lost`), and the fencing token lets the handler's own writes reject the stale
+//! one. A single Redis that fails over can lose in-flight leases (see [`distlock`]).
 
+mod begin;
+mod body;
+mod complete;
+mod context;
+mod fingerprint;
+mod future;
+pub mod key;
+pub mod layer;
+mod metrics;
+pub mod problem;
+mod record;
+mod replay;
+mod scope;
+mod service;
+mod store;
+
+pub use body::ResponseBody;
+pub use context::IdempotencyContext;
+#[cfg(feature = "axum")]
+pub use context::MissingIdempotencyContext;
 pub use distlock;
+pub use distlock::ConfigError;
+pub use future::ResponseFuture;
+pub use key::{KeySource, KeySourceExt};
+pub use layer::{IdempotencyLayer, IdempotencyLayerBuilder, OnConflict, ReplayHeaders};
+pub use problem::Rejection;
+pub use replay::IDEMPOTENT_REPLAYED;
+pub use service::Idempotency;
+pub use store::{DEFAULT_PREFIX, Store};

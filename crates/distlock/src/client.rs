@@ -32,7 +32,7 @@ pub struct LockClient {
 
 struct ClientInner {
     backend: Arc<dyn Backend>,
-    config: LockConfig,
+    config: Arc<LockConfig>,
     prefix: String,
 }
 
@@ -89,7 +89,7 @@ impl LockClient {
         LockClient {
             inner: Arc::new(ClientInner {
                 backend: self.inner.backend.clone(),
-                config,
+                config: Arc::new(config),
                 prefix: self.inner.prefix.clone(),
             }),
         }
@@ -154,6 +154,10 @@ impl LockClient {
     /// ```
     pub fn config(&self) -> &LockConfig {
         &self.inner.config
+    }
+
+    pub(crate) fn shared_config(&self) -> Arc<LockConfig> {
+        self.inner.config.clone()
     }
 
     /// The key prefix.
@@ -294,7 +298,7 @@ impl LockClientBuilder {
         LockClient {
             inner: Arc::new(ClientInner {
                 backend: Arc::new(RedisBackend::new(conn, waiters, describe)),
-                config: self.config,
+                config: Arc::new(self.config),
                 prefix: self.prefix,
             }),
         }
@@ -338,7 +342,7 @@ impl LockClientBuilder {
         LockClient {
             inner: Arc::new(ClientInner {
                 backend: Arc::new(MemoryBackend::new(limits)),
-                config: self.config,
+                config: Arc::new(self.config),
                 prefix: self.prefix,
             }),
         }

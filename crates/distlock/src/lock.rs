@@ -30,7 +30,7 @@ pub struct Lock {
 
 impl Lock {
     pub(crate) fn new(client: LockClient, name: LockName, owner: Option<OwnerId>) -> Self {
-        let config = Arc::new(client.config().clone());
+        let config = client.shared_config();
         Lock {
             client,
             name,

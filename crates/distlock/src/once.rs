@@ -62,7 +62,7 @@ pub enum Begin {
 
 impl Once {
     pub(crate) fn new(client: LockClient, name: LockName) -> Self {
-        let config = Arc::new(client.config().clone());
+        let config = client.shared_config();
         Once {
             client,
             name,

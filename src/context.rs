@@ -1,0 +1,155 @@
+//! What the handler learns about the idempotent execution it runs in.
+
+use distlock::LeaseWatch;
+
+/// Inserted into the request extensions before the handler runs (and available as an axum
+/// extractor): the fencing token to pass with the handler's own writes, the lease to watch, and
+/// the hashed store key.
+///
+/// ```no_run
+/// use axum::{Router, routing::post};
+/// use tower_idempotency::IdempotencyContext;
+///
+/// async fn pay(ctx: IdempotencyContext) -> String {
+///     // UPDATE orders SET paid = true, fence = $1 WHERE id = $2 AND fence < $1
+///     format!("paid with fence {}", ctx.fence().unwrap_or(0))
+/// }
+/// let app: Router = Router::new().route("/pay", post(pay));
+/// ```
+#[derive(Debug, Clone)]
+pub struct IdempotencyContext {
+    key: String,
+    lease: Option<LeaseWatch>,
+}
+
+impl IdempotencyContext {
+    pub(crate) fn protected(key: String, lease: LeaseWatch) -> Self {
+        IdempotencyContext {
+            key,
+            lease: Some(lease),
+        }
+    }
+
+    pub(crate) fn unprotected(key: String) -> Self {
+        IdempotencyContext { key, lease: None }
+    }
+
+    /// The store key (a SHA-256 of the scope and the client's key), useful in logs.
+    ///
+    /// ```
+    /// # fn f(ctx: tower_idempotency::IdempotencyContext) {
+    /// tracing::info!(idempotency_key = ctx.key(), "charging");
+    /// # }
+    /// ```
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The fencing token of this execution: strictly greater than that of any earlier execution
+    /// for the same key. `None` when the request runs unprotected (store down in fail-open mode).
+    ///
+    /// ```
+    /// # fn f(ctx: tower_idempotency::IdempotencyContext) {
+    /// if let Some(fence) = ctx.fence() { /* write with fence */ }
+    /// # }
+    /// ```
+    pub fn fence(&self) -> Option<u64> {
+        self.lease.as_ref().map(LeaseWatch::fence)
+    }
+
+    /// The lease: `is_held()`, `check()`, and `lost().await` to stop work whose lease is gone.
+    ///
+    /// ```
+    /// # async fn f(ctx: tower_idempotency::IdempotencyContext) {
+    /// if let Some(lease) = ctx.lease() {
+    ///     if lease.check().is_err() { return; }
+    /// }
+    /// # }
+    /// ```
+    pub fn lease(&self) -> Option<&LeaseWatch> {
+        self.lease.as_ref()
+    }
+
+    /// Whether the request runs under a lease (false only in fail-open mode while the store is
+    /// unreachable).
+    ///
+    /// ```
+    /// # fn f(ctx: tower_idempotency::IdempotencyContext) {
+    /// assert!(ctx.is_protected());
+    /// # }
+    /// ```
+    pub fn is_protected(&self) -> bool {
+        self.lease.is_some()
+    }
+}
+
+#[cfg(feature = "axum")]
+mod extract {
+    use axum::extract::FromRequestParts;
+    use axum::response::{IntoResponse, Response};
+    use http::StatusCode;
+    use http::request::Parts;
+
+    use super::IdempotencyContext;
+
+    /// The handler asked for an [`IdempotencyContext`] but the route has no
+    /// [`IdempotencyLayer`](crate::IdempotencyLayer) (or the method is not covered).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    #[non_exhaustive]
+    pub struct MissingIdempotencyContext;
+
+    impl MissingIdempotencyContext {
+        /// 500: a server configuration error.
+        pub fn status(&self) -> StatusCode {
+            StatusCode::INTERNAL_SERVER_ERROR
+        }
+
+        /// The explanation.
+        pub fn body_text(&self) -> &'static str {
+            "this route's handler needs IdempotencyLayer, which did not run for this request"
+        }
+    }
+
+    impl std::fmt::Display for MissingIdempotencyContext {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.body_text())
+        }
+    }
+
+    impl std::error::Error for MissingIdempotencyContext {}
+
+    impl IntoResponse for MissingIdempotencyContext {
+        fn into_response(self) -> Response {
+            (self.status(), self.body_text()).into_response()
+        }
+    }
+
+    impl<S: Send + Sync> FromRequestParts<S> for IdempotencyContext {
+        type Rejection = MissingIdempotencyContext;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _state: &S,
+        ) -> Result<Self, Self::Rejection> {
+            parts
+                .extensions
+                .get::<IdempotencyContext>()
+                .cloned()
+                .ok_or(MissingIdempotencyContext)
+        }
+    }
+
+    impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for IdempotencyContext {
+        type Rejection = std::convert::Infallible;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _state: &S,
+        ) -> Result<Option<Self>, Self::Rejection> {
+            Ok(parts.extensions.get::<IdempotencyContext>().cloned())
+        }
+    }
+}
+
+#[cfg(feature = "axum")]
+pub use extract::MissingIdempotencyContext;

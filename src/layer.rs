@@ -1,0 +1,682 @@
+//! The layer and its builder; every option is checked when the layer is built.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::header::{self, HeaderName};
+use http::{Method, StatusCode};
+use tower_layer::Layer;
+
+use crate::key::{self, KeySource};
+use crate::scope::Principal;
+use crate::{ConfigError, Idempotency, Store};
+
+/// What to do with a request whose key is in flight (another request with the same key and
+/// fingerprint is being processed).
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::OnConflict;
+/// let patient = OnConflict::Wait(Duration::from_secs(10));
+/// # let _ = patient;
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OnConflict {
+    /// Answer 409 Conflict with `Retry-After` at once (the IETF draft's behaviour; default).
+    Reject,
+    /// Wait up to this long for the first request to finish (woken by its completion, not by
+    /// polling) and replay its response; 409 if it is still running then. If the first request
+    /// fails without storing a response, this one runs instead.
+    Wait(Duration),
+}
+
+/// Which response headers are stored and replayed.
+///
+/// ```
+/// use tower_idempotency::ReplayHeaders;
+/// let only = ReplayHeaders::allow(["content-type", "location"]).unwrap();
+/// let more = ReplayHeaders::default_deny().and_deny(["x-request-id"]).unwrap();
+/// # let _ = (only, more);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplayHeaders {
+    allow: bool,
+    names: Vec<HeaderName>,
+}
+
+/// Headers never replayed by default: hop-by-hop headers, `Set-Cookie` (a session must not be
+/// handed to whoever retries), `Date`, and `Content-Length` (recomputed).
+pub const DEFAULT_DENIED: [HeaderName; 12] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::SET_COOKIE,
+    header::DATE,
+    header::CONTENT_LENGTH,
+    HeaderName::from_static("idempotent-replayed"),
+];
+
+fn names<I, N>(list: I) -> Result<Vec<HeaderName>, ConfigError>
+where
+    I: IntoIterator<Item = N>,
+    N: AsRef<str>,
+{
+    list.into_iter()
+        .map(|n| {
+            HeaderName::try_from(n.as_ref()).map_err(|e| ConfigError::Invalid {
+                field: "header name",
+                reason: format!("{:?}: {e}", n.as_ref()),
+            })
+        })
+        .collect()
+}
+
+impl ReplayHeaders {
+    /// Replay every header but [`DEFAULT_DENIED`] (the default).
+    ///
+    /// ```
+    /// let d = tower_idempotency::ReplayHeaders::default_deny();
+    /// assert!(!d.keeps(&http::header::SET_COOKIE));
+    /// assert!(d.keeps(&http::header::LOCATION));
+    /// ```
+    pub fn default_deny() -> Self {
+        ReplayHeaders {
+            allow: false,
+            names: DEFAULT_DENIED.to_vec(),
+        }
+    }
+
+    /// Also deny these headers.
+    ///
+    /// # Errors
+    /// If a name is not a valid header name.
+    ///
+    /// ```
+    /// let d = tower_idempotency::ReplayHeaders::default_deny().and_deny(["x-trace"]).unwrap();
+    /// assert!(!d.keeps(&http::HeaderName::from_static("x-trace")));
+    /// ```
+    pub fn and_deny<I, N>(mut self, list: I) -> Result<Self, ConfigError>
+    where
+        I: IntoIterator<Item = N>,
+        N: AsRef<str>,
+    {
+        let extra = names(list)?;
+        if self.allow {
+            self.names.retain(|n| !extra.contains(n));
+        } else {
+            self.names.extend(extra);
+        }
+        Ok(self)
+    }
+
+    /// Replay only these headers (hop-by-hop headers, `Set-Cookie` and `Content-Length` are
+    /// still never replayed).
+    ///
+    /// # Errors
+    /// If a name is not a valid header name.
+    ///
+    /// ```
+    /// let a = tower_idempotency::ReplayHeaders::allow(["content-type"]).unwrap();
+    /// assert!(a.keeps(&http::header::CONTENT_TYPE));
+    /// assert!(!a.keeps(&http::header::LOCATION));
+    /// ```
+    pub fn allow<I, N>(list: I) -> Result<Self, ConfigError>
+    where
+        I: IntoIterator<Item = N>,
+        N: AsRef<str>,
+    {
+        let mut names = names(list)?;
+        names.retain(|n| !DEFAULT_DENIED.contains(n) || *n == header::DATE);
+        Ok(ReplayHeaders { allow: true, names })
+    }
+
+    /// Whether a header is stored and replayed.
+    ///
+    /// ```
+    /// assert!(tower_idempotency::ReplayHeaders::default_deny().keeps(&http::header::CONTENT_TYPE));
+    /// ```
+    pub fn keeps(&self, name: &HeaderName) -> bool {
+        self.names.contains(name) == self.allow
+    }
+}
+
+/// Decides from the status whether a response is stored for replay.
+pub(crate) type StoreIf = dyn Fn(StatusCode) -> bool + Send + Sync;
+
+/// The default [`store_if`](IdempotencyLayerBuilder::store_if): 2xx, and 4xx that a retry
+/// would get again; not 408, 409, 425, 429 (a retry may succeed) and not 5xx.
+///
+/// ```
+/// use http::StatusCode;
+/// use tower_idempotency::layer::default_store_if;
+/// assert!(default_store_if(StatusCode::CREATED));
+/// assert!(default_store_if(StatusCode::UNPROCESSABLE_ENTITY));
+/// assert!(!default_store_if(StatusCode::TOO_MANY_REQUESTS));
+/// assert!(!default_store_if(StatusCode::SERVICE_UNAVAILABLE));
+/// ```
+pub fn default_store_if(status: StatusCode) -> bool {
+    status.is_success()
+        || (status.is_client_error() && !matches!(status.as_u16(), 408 | 409 | 425 | 429))
+}
+
+/// The checked configuration, shared by every clone of the layer and its services.
+pub(crate) struct Config {
+    pub(crate) store: Store,
+    pub(crate) key: Arc<dyn KeySource>,
+    pub(crate) key_required: bool,
+    pub(crate) principal: Option<Arc<Principal>>,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) body_limit: usize,
+    pub(crate) read_timeout: Duration,
+    pub(crate) record_limit: usize,
+    pub(crate) retention: Duration,
+    pub(crate) on_conflict: OnConflict,
+    pub(crate) retry_after: Duration,
+    pub(crate) store_if: Arc<StoreIf>,
+    pub(crate) replay_headers: ReplayHeaders,
+    pub(crate) fail_open: bool,
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("store", &self.store.describe())
+            .field("key", &self.key.describe())
+            .field("key_required", &self.key_required)
+            .field("principal", &self.principal.is_some())
+            .field("methods", &self.methods)
+            .field("fingerprint_headers", &self.fingerprint_headers)
+            .field("body_limit", &self.body_limit)
+            .field("read_timeout", &self.read_timeout)
+            .field("record_limit", &self.record_limit)
+            .field("retention", &self.retention)
+            .field("on_conflict", &self.on_conflict)
+            .field("retry_after", &self.retry_after)
+            .field("replay_headers", &self.replay_headers)
+            .field("fail_open", &self.fail_open)
+            .finish()
+    }
+}
+
+/// Makes the wrapped endpoints idempotent. Cheap to clone (one `Arc`).
+///
+/// ```no_run
+/// # #[tokio::main]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use axum::{Router, routing::post};
+/// use tower_idempotency::{IdempotencyLayer, Store, key};
+///
+/// async fn signup() -> &'static str { "created" }
+///
+/// let store = Store::redis("redis://127.0.0.1:6379/")?;
+/// let app: Router = Router::new()
+///     .route("/signup", post(signup))
+///     .layer(IdempotencyLayer::builder(store).key(key::json("/phone")?).build()?);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct IdempotencyLayer {
+    config: Arc<Config>,
+}
+
+impl IdempotencyLayer {
+    /// The defaults on `store`: key from the `Idempotency-Key` header (required), POST and
+    /// PATCH covered, 409 on conflict, 24 h retention.
+    ///
+    /// ```
+    /// let layer = tower_idempotency::IdempotencyLayer::new(tower_idempotency::Store::memory());
+    /// ```
+    pub fn new(store: Store) -> Self {
+        Self::builder(store)
+            .build()
+            .expect("the default configuration is valid")
+    }
+
+    /// A builder on `store`.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), tower_idempotency::ConfigError> {
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyLayer, OnConflict, Store, key};
+    /// let layer = IdempotencyLayer::builder(Store::memory())
+    ///     .key(key::header().or(key::json("/id")?))
+    ///     .on_conflict(OnConflict::Wait(Duration::from_secs(5)))
+    ///     .retention(Duration::from_secs(3600))
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn builder(store: Store) -> IdempotencyLayerBuilder {
+        IdempotencyLayerBuilder {
+            store,
+            lease: None,
+            key: Arc::new(key::header()),
+            key_required: true,
+            principal: None,
+            methods: vec![Method::POST, Method::PATCH],
+            fingerprint_headers: vec![header::CONTENT_TYPE],
+            body_limit: 1 << 20,
+            read_timeout: Duration::from_secs(30),
+            record_limit: 1 << 20,
+            retention: Duration::from_secs(24 * 3600),
+            on_conflict: OnConflict::Reject,
+            retry_after: Duration::from_secs(1),
+            store_if: Arc::new(default_store_if),
+            replay_headers: ReplayHeaders::default_deny(),
+            fail_open: false,
+        }
+    }
+
+    pub(crate) fn config(&self) -> &Arc<Config> {
+        &self.config
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency::from_config(inner, self.config.clone())
+    }
+}
+
+/// Builder for [`IdempotencyLayer`]; [`build`](Self::build) checks the options against each
+/// other and says which one cannot work.
+#[must_use]
+pub struct IdempotencyLayerBuilder {
+    store: Store,
+    lease: Option<distlock::LockConfig>,
+    key: Arc<dyn KeySource>,
+    key_required: bool,
+    principal: Option<Arc<Principal>>,
+    methods: Vec<Method>,
+    fingerprint_headers: Vec<HeaderName>,
+    body_limit: usize,
+    read_timeout: Duration,
+    record_limit: usize,
+    retention: Duration,
+    on_conflict: OnConflict,
+    retry_after: Duration,
+    store_if: Arc<StoreIf>,
+    replay_headers: ReplayHeaders,
+    fail_open: bool,
+}
+
+impl std::fmt::Debug for IdempotencyLayerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyLayerBuilder")
+            .field("store", &self.store.describe())
+            .field("key", &self.key.describe())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The longest stored response body accepted (Redis values are at most 512 MB).
+pub const MAX_RECORD_LIMIT: usize = 256 << 20;
+
+impl IdempotencyLayerBuilder {
+    /// Where the key comes from (default: the `Idempotency-Key` header). See [`key`].
+    ///
+    /// ```
+    /// # fn main() -> Result<(), tower_idempotency::ConfigError> {
+    /// use tower_idempotency::{IdempotencyLayer, Store, key};
+    /// let b = IdempotencyLayer::builder(Store::memory()).key(key::json("/phone")?);
+    /// # Ok(()) }
+    /// ```
+    pub fn key(mut self, source: impl KeySource) -> Self {
+        self.key = Arc::new(source);
+        self
+    }
+
+    /// Whether requests without a key are refused with 400 (default) or passed through
+    /// unprotected.
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .key_required(false);
+    /// ```
+    pub fn key_required(mut self, required: bool) -> Self {
+        self.key_required = required;
+        self
+    }
+
+    /// Scopes keys to a principal derived from the request (a user id, a tenant, an API key id):
+    /// the same key from two principals is two keys, so no one can replay someone else's
+    /// response. Returning `None` puts the request in the anonymous scope.
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .principal(|parts| {
+    ///         parts.headers.get("authorization")?.to_str().ok().map(String::from)
+    ///     });
+    /// ```
+    pub fn principal<F>(mut self, principal: F) -> Self
+    where
+        F: Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
+    {
+        self.principal = Some(Arc::new(principal));
+        self
+    }
+
+    /// The methods covered (default POST and PATCH); other methods pass through untouched.
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .methods([http::Method::POST, http::Method::PUT, http::Method::DELETE]);
+    /// ```
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Request headers included in the fingerprint (default `Content-Type`), besides the method,
+    /// path, query and body.
+    ///
+    /// # Errors
+    /// If a name is not a valid header name.
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .fingerprint_headers(["content-type", "x-tenant"]).unwrap();
+    /// ```
+    pub fn fingerprint_headers<I, N>(mut self, headers: I) -> Result<Self, ConfigError>
+    where
+        I: IntoIterator<Item = N>,
+        N: AsRef<str>,
+    {
+        self.fingerprint_headers = names(headers)?;
+        Ok(self)
+    }
+
+    /// Largest request body buffered for the key and fingerprint (default 1 MiB); larger
+    /// requests get 413.
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .body_limit(64 * 1024);
+    /// ```
+    pub fn body_limit(mut self, bytes: usize) -> Self {
+        self.body_limit = bytes;
+        self
+    }
+
+    /// How long the request body may take to arrive (default 30 s); slower requests get 408.
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .read_timeout(std::time::Duration::from_secs(5));
+    /// ```
+    pub fn read_timeout(mut self, timeout: Duration) -> Self {
+        self.read_timeout = timeout;
+        self
+    }
+
+    /// Largest response body stored for replay (default 1 MiB). A larger response is still sent
+    /// in full; its status and headers are stored without the body, and retries get a
+    /// `response-not-stored` problem instead of running the handler again.
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .record_limit(256 * 1024);
+    /// ```
+    pub fn record_limit(mut self, bytes: usize) -> Self {
+        self.record_limit = bytes;
+        self
+    }
+
+    /// How long outcomes are kept for replay (default 24 h).
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .retention(std::time::Duration::from_secs(7 * 24 * 3600));
+    /// ```
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// The lease while a handler runs (default 10 s, renewed every lease/3 while it runs). It
+    /// bounds how long a crashed instance blocks retries of its keys.
+    ///
+    /// # Errors
+    /// If the lease cannot work (see [`distlock::LockConfig`]).
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .lease(std::time::Duration::from_secs(30)).unwrap();
+    /// ```
+    pub fn lease(self, lease: Duration) -> Result<Self, ConfigError> {
+        let config = self
+            .store
+            .client()
+            .config()
+            .to_builder()
+            .lease(lease)
+            .build()?;
+        Ok(self.lock_config(config))
+    }
+
+    /// Full lock timing (lease, renewal, drift, command timeout, backoff).
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .lock_config(distlock::LockConfig::default());
+    /// ```
+    pub fn lock_config(mut self, config: distlock::LockConfig) -> Self {
+        self.lease = Some(config);
+        self
+    }
+
+    /// What to do while a request with the same key is in flight (default: 409 at once).
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .on_conflict(tower_idempotency::OnConflict::Wait(std::time::Duration::from_secs(5)));
+    /// ```
+    pub fn on_conflict(mut self, on_conflict: OnConflict) -> Self {
+        self.on_conflict = on_conflict;
+        self
+    }
+
+    /// The `Retry-After` of 409 and 503 answers (default 1 s; sent in whole seconds, at least 1).
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .retry_after(std::time::Duration::from_secs(2));
+    /// ```
+    pub fn retry_after(mut self, after: Duration) -> Self {
+        self.retry_after = after;
+        self
+    }
+
+    /// Which responses are stored for replay (default [`default_store_if`]). Responses not
+    /// stored release the key, so a retry runs the handler again.
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .store_if(|status| status.is_success());
+    /// ```
+    pub fn store_if<F>(mut self, predicate: F) -> Self
+    where
+        F: Fn(StatusCode) -> bool + Send + Sync + 'static,
+    {
+        self.store_if = Arc::new(predicate);
+        self
+    }
+
+    /// Which response headers are stored and replayed (default [`ReplayHeaders::default_deny`]).
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .replay_headers(tower_idempotency::ReplayHeaders::allow(["content-type", "location"]).unwrap());
+    /// ```
+    pub fn replay_headers(mut self, policy: ReplayHeaders) -> Self {
+        self.replay_headers = policy;
+        self
+    }
+
+    /// When the store cannot be reached: `false` (default) answers 503 with `Retry-After` and
+    /// does not run the handler; `true` runs the handler unprotected, and says so in a warning
+    /// log, the `fail_open` metric and [`IdempotencyContext::is_protected`](crate::IdempotencyContext::is_protected).
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .fail_open(true);
+    /// ```
+    pub fn fail_open(mut self, open: bool) -> Self {
+        self.fail_open = open;
+        self
+    }
+
+    /// Checks the options and builds the layer.
+    ///
+    /// # Errors
+    /// The option that cannot work and why: no methods, a zero limit or timeout, a retention
+    /// shorter than the lease, a wait longer than the retention, ...
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyLayer, Store};
+    /// let err = IdempotencyLayer::builder(Store::memory())
+    ///     .retention(Duration::from_secs(1))
+    ///     .build()
+    ///     .unwrap_err();
+    /// assert!(err.to_string().contains("retention"));
+    /// ```
+    pub fn build(self) -> Result<IdempotencyLayer, ConfigError> {
+        let invalid = |field, reason: String| Err(ConfigError::Invalid { field, reason });
+        if self.methods.is_empty() {
+            return invalid("methods", "no method is covered: list at least one".into());
+        }
+        if self.body_limit == 0 {
+            return invalid("body_limit", "must be above zero".into());
+        }
+        if self.record_limit == 0 || self.record_limit > MAX_RECORD_LIMIT {
+            return invalid(
+                "record_limit",
+                format!(
+                    "{} must be between 1 and {MAX_RECORD_LIMIT} bytes",
+                    self.record_limit
+                ),
+            );
+        }
+        if self.read_timeout.is_zero() {
+            return invalid("read_timeout", "must be above zero".into());
+        }
+        if self.retry_after.is_zero() {
+            return invalid("retry_after", "must be above zero".into());
+        }
+        let store = match self.lease {
+            Some(config) => Store::from_client(self.store.client().with_config(config)),
+            None => self.store,
+        };
+        // The lock crate checks the retention against the lease.
+        store.client().once("probe")?.retention(self.retention)?;
+        if let OnConflict::Wait(wait) = self.on_conflict {
+            if wait.is_zero() {
+                return invalid("on_conflict", "a zero wait: use OnConflict::Reject".into());
+            }
+            if wait >= self.retention {
+                return invalid(
+                    "on_conflict",
+                    format!(
+                        "waiting {wait:?} is not shorter than the retention {:?}",
+                        self.retention
+                    ),
+                );
+            }
+        }
+        Ok(IdempotencyLayer {
+            config: Arc::new(Config {
+                store,
+                key: self.key,
+                key_required: self.key_required,
+                principal: self.principal,
+                methods: self.methods,
+                fingerprint_headers: self.fingerprint_headers,
+                body_limit: self.body_limit,
+                read_timeout: self.read_timeout,
+                record_limit: self.record_limit,
+                retention: self.retention,
+                on_conflict: self.on_conflict,
+                retry_after: self.retry_after,
+                store_if: self.store_if,
+                replay_headers: self.replay_headers,
+                fail_open: self.fail_open,
+            }),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> IdempotencyLayerBuilder {
+        IdempotencyLayer::builder(Store::memory())
+    }
+
+    #[test]
+    fn refuses_options_that_cannot_work() {
+        let cases: Vec<(IdempotencyLayerBuilder, &str)> = vec![
+            (base().methods([]), "methods"),
+            (base().body_limit(0), "body_limit"),
+            (base().record_limit(0), "record_limit"),
+            (base().record_limit(MAX_RECORD_LIMIT + 1), "record_limit"),
+            (base().read_timeout(Duration::ZERO), "read_timeout"),
+            (base().retry_after(Duration::ZERO), "retry_after"),
+            (base().retention(Duration::from_secs(1)), "retention"),
+            (
+                base().on_conflict(OnConflict::Wait(Duration::ZERO)),
+                "on_conflict",
+            ),
+            (
+                base()
+                    .retention(Duration::from_secs(60))
+                    .on_conflict(OnConflict::Wait(Duration::from_secs(60))),
+                "on_conflict",
+            ),
+        ];
+        for (builder, field) in cases {
+            match builder.build() {
+                Err(ConfigError::Invalid { field: f, reason }) => assert_eq!(f, field, "{reason}"),
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+        assert!(base().lease(Duration::from_millis(1)).is_err());
+        assert!(base().fingerprint_headers(["bad header"]).is_err());
+    }
+
+    #[test]
+    fn replay_header_policies() {
+        let deny = ReplayHeaders::default_deny()
+            .and_deny(["x-secret"])
+            .unwrap();
+        for (name, kept) in [
+            ("content-type", true),
+            ("set-cookie", false),
+            ("date", false),
+            ("x-secret", false),
+            ("connection", false),
+        ] {
+            assert_eq!(deny.keeps(&HeaderName::from_static(name)), kept, "{name}");
+        }
+        let allow = ReplayHeaders::allow(["content-type", "set-cookie", "location"]).unwrap();
+        for (name, kept) in [
+            ("content-type", true),
+            ("location", true),
+            ("set-cookie", false),
+            ("x-other", false),
+        ] {
+            assert_eq!(allow.keeps(&HeaderName::from_static(name)), kept, "{name}");
+        }
+        let narrowed = allow.and_deny(["location"]).unwrap();
+        assert!(!narrowed.keeps(&header::LOCATION));
+    }
+}

@@ -1,0 +1,64 @@
+//! Outcome counters and store latency, through the `metrics` facade when the `metrics` feature
+//! is on (no-ops otherwise).
+//!
+//! * `idempotency_outcomes_total{outcome}`: `executed`, `replayed`, `conflict`, `mismatch`,
+//!   `rejected`, `lease_lost`, `store_error`, `fail_open`, `not_stored`, `passthrough`.
+//! * `idempotency_store_seconds{op}`: latency of `begin` and `complete`.
+
+use std::time::Duration;
+
+/// What became of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// The handler ran and its response was stored.
+    Executed,
+    /// A stored response was replayed.
+    Replayed,
+    /// Another request with the key was in flight (409).
+    Conflict,
+    /// The key was reused with another fingerprint (422).
+    Mismatch,
+    /// The request was refused before the handler (400, 408, 413, 415, 500 unreadable record).
+    Rejected,
+    /// The handler ran but its lease was lost: nothing was stored.
+    LeaseLost,
+    /// The store failed (503 in fail-closed mode, or a failed completion).
+    StoreError,
+    /// The store failed and the handler ran unprotected (fail-open mode).
+    FailOpen,
+    /// The handler ran; its response is not one to store (5xx, 429, ...) or it failed.
+    NotStored,
+    /// Not covered (method) or no key while keys are optional.
+    Passthrough,
+}
+
+impl Outcome {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Executed => "executed",
+            Outcome::Replayed => "replayed",
+            Outcome::Conflict => "conflict",
+            Outcome::Mismatch => "mismatch",
+            Outcome::Rejected => "rejected",
+            Outcome::LeaseLost => "lease_lost",
+            Outcome::StoreError => "store_error",
+            Outcome::FailOpen => "fail_open",
+            Outcome::NotStored => "not_stored",
+            Outcome::Passthrough => "passthrough",
+        }
+    }
+}
+
+pub(crate) fn count(outcome: Outcome) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotency_outcomes_total", "outcome" => outcome.as_str()).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = outcome;
+}
+
+pub(crate) fn store_latency(op: &'static str, took: Duration) {
+    #[cfg(feature = "metrics")]
+    metrics::histogram!("idempotency_store_seconds", "op" => op).record(took.as_secs_f64());
+    #[cfg(not(feature = "metrics"))]
+    let _ = (op, took);
+}

@@ -1,0 +1,341 @@
+//! Rejections: every request the layer answers itself gets an `application/problem+json` body
+//! (RFC 9457) and the handler never runs.
+//!
+//! | type (slug) | status | when |
+//! |---|---|---|
+//! | `missing-key` | 400 | the key is required and the request has none |
+//! | `invalid-key` | 400 | empty, longer than 255 characters, not visible ASCII, not a string or number |
+//! | `duplicate-key` | 400 | several `Idempotency-Key` headers |
+//! | `malformed-body` | 400 | the key comes from the body and the body does not parse |
+//! | `request-timeout` | 408 | the request body did not arrive within the read timeout |
+//! | `conflict` | 409 | a request with this key is in flight (with `Retry-After`) |
+//! | `body-too-large` | 413 | the request body is over the buffering limit |
+//! | `unsupported-media-type` | 415 | the key comes from a JSON or form body of another content type |
+//! | `key-reused` | 422 | the key was used for a request with another fingerprint |
+//! | `record-unreadable` | 500 | the stored outcome for this key is corrupt or from an unknown format |
+//! | `store-unavailable` | 503 | the store cannot be reached (with `Retry-After`; fail-closed mode) |
+//! | `response-not-stored` | the original status | a retry of a request whose response body was too large to store: it was processed, the body cannot be replayed |
+//!
+//! The [`Rejection`] itself travels in the response extensions, so outer middleware and tests can
+//! tell which rule answered.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+
+/// Base of the problem `type` URIs; the slug follows.
+pub const PROBLEM_BASE: &str =
+    "https://docs.rs/tower-idempotency/latest/tower_idempotency/problem/#";
+
+/// Why the layer answered a request itself.
+///
+/// ```
+/// use tower_idempotency::Rejection;
+/// let r = Rejection::MissingKey { source: "the Idempotency-Key header".into() };
+/// assert_eq!(r.status(), http::StatusCode::BAD_REQUEST);
+/// assert_eq!(r.slug(), "missing-key");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Rejection {
+    /// The key is required and the request has none.
+    MissingKey {
+        /// Where the key was looked for.
+        source: String,
+    },
+    /// The key is there but unusable.
+    InvalidKey {
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Several `Idempotency-Key` headers.
+    DuplicateKey,
+    /// The key comes from the body, which does not parse.
+    MalformedBody {
+        /// The parser's complaint.
+        reason: String,
+    },
+    /// The body did not arrive in time.
+    RequestTimeout {
+        /// The read timeout.
+        after: Duration,
+    },
+    /// A request with this key is being processed.
+    Conflict {
+        /// Suggested wait before retrying.
+        retry_after: Duration,
+    },
+    /// The request body is over the buffering limit.
+    BodyTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// The key comes from a body of another content type.
+    UnsupportedMediaType {
+        /// What was expected.
+        expected: &'static str,
+    },
+    /// The key was used before for a request with another fingerprint.
+    KeyReused,
+    /// The stored outcome cannot be decoded.
+    RecordUnreadable {
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The store cannot be reached.
+    StoreUnavailable {
+        /// Suggested wait before retrying.
+        retry_after: Duration,
+    },
+    /// The original response's body was too large to store.
+    ResponseNotStored {
+        /// The original status.
+        status: StatusCode,
+        /// The storage limit in bytes.
+        limit: usize,
+    },
+}
+
+impl Rejection {
+    /// The HTTP status of the problem response.
+    ///
+    /// ```
+    /// use tower_idempotency::Rejection;
+    /// assert_eq!(Rejection::KeyReused.status().as_u16(), 422);
+    /// ```
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Rejection::MissingKey { .. }
+            | Rejection::InvalidKey { .. }
+            | Rejection::DuplicateKey
+            | Rejection::MalformedBody { .. } => StatusCode::BAD_REQUEST,
+            Rejection::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            Rejection::Conflict { .. } => StatusCode::CONFLICT,
+            Rejection::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Rejection::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Rejection::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            Rejection::RecordUnreadable { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            Rejection::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Rejection::ResponseNotStored { status, .. } => *status,
+        }
+    }
+
+    /// The slug of the problem type (appended to [`PROBLEM_BASE`]).
+    ///
+    /// ```
+    /// assert_eq!(tower_idempotency::Rejection::DuplicateKey.slug(), "duplicate-key");
+    /// ```
+    pub fn slug(&self) -> &'static str {
+        match self {
+            Rejection::MissingKey { .. } => "missing-key",
+            Rejection::InvalidKey { .. } => "invalid-key",
+            Rejection::DuplicateKey => "duplicate-key",
+            Rejection::MalformedBody { .. } => "malformed-body",
+            Rejection::RequestTimeout { .. } => "request-timeout",
+            Rejection::Conflict { .. } => "conflict",
+            Rejection::BodyTooLarge { .. } => "body-too-large",
+            Rejection::UnsupportedMediaType { .. } => "unsupported-media-type",
+            Rejection::KeyReused => "key-reused",
+            Rejection::RecordUnreadable { .. } => "record-unreadable",
+            Rejection::StoreUnavailable { .. } => "store-unavailable",
+            Rejection::ResponseNotStored { .. } => "response-not-stored",
+        }
+    }
+
+    /// A short summary of the problem type.
+    ///
+    /// ```
+    /// assert!(tower_idempotency::Rejection::KeyReused.title().contains("another"));
+    /// ```
+    pub fn title(&self) -> &'static str {
+        match self {
+            Rejection::MissingKey { .. } => "An idempotency key is required",
+            Rejection::InvalidKey { .. } => "The idempotency key is not valid",
+            Rejection::DuplicateKey => "Only one Idempotency-Key header is allowed",
+            Rejection::MalformedBody { .. } => "The request body could not be read for its key",
+            Rejection::RequestTimeout { .. } => "The request body did not arrive in time",
+            Rejection::Conflict { .. } => "A request with this idempotency key is being processed",
+            Rejection::BodyTooLarge { .. } => "The request body is too large",
+            Rejection::UnsupportedMediaType { .. } => {
+                "The request body has the wrong content type for its key"
+            }
+            Rejection::KeyReused => "The idempotency key was used for another request",
+            Rejection::RecordUnreadable { .. } => {
+                "The stored outcome for this idempotency key cannot be read"
+            }
+            Rejection::StoreUnavailable { .. } => "Idempotency is temporarily unavailable",
+            Rejection::ResponseNotStored { .. } => {
+                "The request was processed, but its response was too large to store"
+            }
+        }
+    }
+
+    /// The explanation for this occurrence.
+    ///
+    /// ```
+    /// let r = tower_idempotency::Rejection::BodyTooLarge { limit: 1024 };
+    /// assert!(r.detail().contains("1024"));
+    /// ```
+    pub fn detail(&self) -> String {
+        match self {
+            Rejection::MissingKey { source } => {
+                format!("This request must carry an idempotency key in {source}.")
+            }
+            Rejection::InvalidKey { reason } => reason.clone(),
+            Rejection::DuplicateKey => {
+                "The request has more than one Idempotency-Key header.".into()
+            }
+            Rejection::MalformedBody { reason } => reason.clone(),
+            Rejection::RequestTimeout { after } => {
+                format!("The request body was not complete within {after:?}.")
+            }
+            Rejection::Conflict { retry_after } => format!(
+                "The first request with this key has not finished. Retry after {} s to get its response.",
+                retry_after.as_secs().max(1)
+            ),
+            Rejection::BodyTooLarge { limit } => {
+                format!("The request body is over the limit of {limit} bytes.")
+            }
+            Rejection::UnsupportedMediaType { expected } => {
+                format!("The idempotency key is read from the body, which must be {expected}.")
+            }
+            Rejection::KeyReused => {
+                "This idempotency key was already used with a different method, path, \
+                 headers or body. Use a new key for a new request."
+                    .into()
+            }
+            Rejection::RecordUnreadable { reason } => format!(
+                "The request was processed before, but its stored outcome cannot be read ({reason}); it is not run again."
+            ),
+            Rejection::StoreUnavailable { retry_after } => format!(
+                "The idempotency store cannot be reached; the request was not processed. Retry after {} s.",
+                retry_after.as_secs().max(1)
+            ),
+            Rejection::ResponseNotStored { limit, .. } => format!(
+                "The original request was processed with this status, but its response body was over \
+                 the {limit}-byte storage limit, so it cannot be replayed. Do not send the request again \
+                 with a new key unless you mean to repeat it."
+            ),
+        }
+    }
+
+    /// The `Retry-After` this rejection carries, if any.
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Rejection::Conflict { retry_after } | Rejection::StoreUnavailable { retry_after } => {
+                Some(*retry_after)
+            }
+            _ => None,
+        }
+    }
+
+    /// The problem+json body.
+    ///
+    /// ```
+    /// let body = tower_idempotency::Rejection::KeyReused.to_json();
+    /// let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    /// assert_eq!(v["status"], 422);
+    /// ```
+    pub fn to_json(&self) -> Bytes {
+        let value = serde_json::json!({
+            "type": format!("{PROBLEM_BASE}{}", self.slug()),
+            "title": self.title(),
+            "status": self.status().as_u16(),
+            "detail": self.detail(),
+        });
+        Bytes::from(serde_json::to_vec(&value).expect("a JSON value serializes"))
+    }
+
+    /// The response: status, `Content-Type: application/problem+json`, `Retry-After` where it
+    /// applies, and the rejection in the extensions.
+    ///
+    /// ```
+    /// let res = tower_idempotency::Rejection::DuplicateKey.to_response();
+    /// assert_eq!(res.headers()["content-type"], "application/problem+json");
+    /// ```
+    pub fn to_response(&self) -> Response<Bytes> {
+        let mut response = Response::new(self.to_json());
+        *response.status_mut() = self.status();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(after) = self.retry_after() {
+            headers.insert(
+                header::RETRY_AFTER,
+                HeaderValue::from(after.as_secs().max(1)),
+            );
+        }
+        response.extensions_mut().insert(self.clone());
+        response
+    }
+}
+
+impl std::fmt::Display for Rejection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {}: {}",
+            self.status().as_u16(),
+            self.slug(),
+            self.detail()
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_rejection_renders_valid_problem_json() {
+        let all = [
+            Rejection::MissingKey { source: "x".into() },
+            Rejection::InvalidKey { reason: "y".into() },
+            Rejection::DuplicateKey,
+            Rejection::MalformedBody { reason: "z".into() },
+            Rejection::RequestTimeout {
+                after: Duration::from_secs(3),
+            },
+            Rejection::Conflict {
+                retry_after: Duration::from_millis(10),
+            },
+            Rejection::BodyTooLarge { limit: 5 },
+            Rejection::UnsupportedMediaType {
+                expected: "application/json",
+            },
+            Rejection::KeyReused,
+            Rejection::RecordUnreadable {
+                reason: "bad magic".into(),
+            },
+            Rejection::StoreUnavailable {
+                retry_after: Duration::from_secs(2),
+            },
+            Rejection::ResponseNotStored {
+                status: StatusCode::CREATED,
+                limit: 9,
+            },
+        ];
+        for r in all {
+            let res = r.to_response();
+            let v: serde_json::Value = serde_json::from_slice(res.body()).unwrap();
+            assert_eq!(v["status"], r.status().as_u16());
+            assert!(v["type"].as_str().unwrap().ends_with(r.slug()));
+            assert!(!v["title"].as_str().unwrap().is_empty());
+            assert_eq!(res.extensions().get::<Rejection>(), Some(&r));
+            let retry = res.headers().get(header::RETRY_AFTER);
+            assert_eq!(
+                retry.is_some(),
+                matches!(
+                    r,
+                    Rejection::Conflict { .. } | Rejection::StoreUnavailable { .. }
+                )
+            );
+            if let Some(v) = retry {
+                assert!(v.to_str().unwrap().parse::<u64>().unwrap() >= 1);
+            }
+        }
+    }
+}

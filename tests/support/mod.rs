@@ -1,0 +1,234 @@
+//! Test support for the layer: a service whose handlers count their executions and can be held
+//! at a gate, and stores on memory or a real Redis.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, Request, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use bytes::Bytes;
+use distlock::LockClient;
+use http_body_util::BodyExt;
+use testkit::RedisServer;
+use tokio::sync::Semaphore;
+use tower::ServiceExt;
+use tower_idempotency::{IdempotencyContext, IdempotencyLayer, IdempotencyLayerBuilder, Store};
+
+/// Counts handler runs; a closed gate holds handlers until opened.
+#[derive(Clone)]
+pub struct Probe {
+    pub runs: Arc<AtomicUsize>,
+    pub gate: Arc<Semaphore>,
+    pub gated: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Probe {
+    fn new() -> Self {
+        Probe {
+            runs: Arc::new(AtomicUsize::new(0)),
+            gate: Arc::new(Semaphore::new(0)),
+            gated: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        }
+    }
+
+    pub fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+
+    /// Handlers wait at the gate until [`open`](Self::open).
+    pub fn close(&self) {
+        self.gated.store(true, Ordering::SeqCst);
+    }
+
+    pub fn open(&self) {
+        self.gated.store(false, Ordering::SeqCst);
+        self.gate.add_permits(Semaphore::MAX_PERMITS / 2);
+    }
+
+    async fn enter(&self) -> usize {
+        let n = self.runs.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.gated.load(Ordering::SeqCst) {
+            self.gate.acquire().await.unwrap().forget();
+        }
+        n
+    }
+}
+
+async fn create(
+    State(p): State<Probe>,
+    ctx: Option<IdempotencyContext>,
+    body: Bytes,
+) -> impl IntoResponse {
+    let run = p.enter().await;
+    let held = ctx
+        .as_ref()
+        .and_then(|c| c.lease())
+        .is_some_and(|l| l.is_held());
+    let fence = ctx.as_ref().and_then(IdempotencyContext::fence);
+    (
+        StatusCode::CREATED,
+        [
+            ("x-run", run.to_string()),
+            ("set-cookie", format!("session={run}")),
+            ("location", format!("/things/{run}")),
+        ],
+        axum::Json(serde_json::json!({
+            "run": run,
+            "fence": fence,
+            "held_at_end": held,
+            "echo": String::from_utf8_lossy(&body),
+        })),
+    )
+}
+
+/// 500 on the first run, 201 afterwards.
+async fn flaky(State(p): State<Probe>) -> impl IntoResponse {
+    let run = p.enter().await;
+    if run == 1 {
+        (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("failed run {run}"),
+        )
+    } else {
+        (StatusCode::CREATED, format!("ok run {run}"))
+    }
+}
+
+async fn status_from_body(State(p): State<Probe>, body: Bytes) -> impl IntoResponse {
+    let run = p.enter().await;
+    let code: u16 = std::str::from_utf8(&body).unwrap().trim().parse().unwrap();
+    (
+        StatusCode::from_u16(code).unwrap(),
+        format!("status {code} run {run}"),
+    )
+}
+
+async fn big(State(p): State<Probe>) -> impl IntoResponse {
+    let run = p.enter().await;
+    let chunk = format!("run {run};").repeat(1000);
+    (StatusCode::OK, chunk)
+}
+
+async fn panics(State(p): State<Probe>) -> &'static str {
+    let run = p.enter().await;
+    if run == 1 {
+        panic!("handler panic on the first run");
+    }
+    "ok"
+}
+
+/// The service under test, with the layer configured by `configure`.
+pub fn app(
+    store: &Store,
+    configure: impl FnOnce(IdempotencyLayerBuilder) -> IdempotencyLayerBuilder,
+) -> (Router, Probe) {
+    let probe = Probe::new();
+    let layer = configure(IdempotencyLayer::builder(store.clone()))
+        .build()
+        .expect("valid layer");
+    let router = Router::new()
+        .route("/things", post(create).get(create))
+        .route("/signup", post(create))
+        .route("/flaky", post(flaky))
+        .route("/status", post(status_from_body))
+        .route("/big", post(big))
+        .route("/panics", post(panics))
+        .layer(layer)
+        .with_state(probe.clone());
+    (router, probe)
+}
+
+/// A response, read in full.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{e}: {:?}", self.body))
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+
+    pub fn problem(&self) -> String {
+        assert_eq!(
+            self.headers["content-type"], "application/problem+json",
+            "{self:?}"
+        );
+        let v = self.json();
+        v["type"]
+            .as_str()
+            .unwrap()
+            .rsplit('#')
+            .next()
+            .unwrap()
+            .to_owned()
+    }
+}
+
+pub async fn send(router: &Router, request: Request<Body>) -> Reply {
+    let response = router.clone().oneshot(request).await.unwrap();
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+pub fn post_key(path: &str, key: &str, body: &str) -> Request<Body> {
+    Request::post(path)
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_owned()))
+        .unwrap()
+}
+
+/// A store on memory, or on a real Redis with a prefix of its own.
+pub struct TestStore {
+    pub store: Store,
+    pub server: Option<RedisServer>,
+}
+
+impl TestStore {
+    pub async fn memory() -> Self {
+        TestStore {
+            store: Store::memory(),
+            server: None,
+        }
+    }
+
+    pub async fn redis(test: &str) -> Self {
+        let server = RedisServer::start().await;
+        let store = redis_store(&server.url(), &testkit::unique_prefix(test)).await;
+        TestStore {
+            store,
+            server: Some(server),
+        }
+    }
+}
+
+/// A store on the Redis at `url`, connected and with its scripts loaded.
+pub async fn redis_store(url: &str, prefix: &str) -> Store {
+    let client = LockClient::builder()
+        .prefix(prefix)
+        .unwrap()
+        .connect(url)
+        .unwrap();
+    client.prepare().await.expect("redis answers");
+    Store::from_client(client)
+}
