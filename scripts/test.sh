@@ -15,5 +15,6 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 echo "test.sh: using $(redis-server --version | cut -d' ' -f1-3)" >&2
 
-cargo test --workspace --all-targets "$@"
-cargo test --workspace --doc "$@"
+cargo test --workspace --all-features --all-targets "$@"
+cargo test --workspace --all-features --doc "$@"
+

@@ -20,10 +20,11 @@ use tokio::sync::Semaphore;
 use tower::ServiceExt;
 use tower_idempotency::{IdempotencyContext, IdempotencyLayer, IdempotencyLayerBuilder, Store};
 
-/// Counts handler runs; a closed gate holds handlers until opened.
+/// Counts handler runs (in all and per key); a closed gate holds handlers until opened.
 #[derive(Clone)]
 pub struct Probe {
     pub runs: Arc<AtomicUsize>,
+    pub by_key: Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>,
     pub gate: Arc<Semaphore>,
     pub gated: Arc<std::sync::atomic::AtomicBool>,
 }
@@ -32,6 +33,7 @@ impl Probe {
     fn new() -> Self {
         Probe {
             runs: Arc::new(AtomicUsize::new(0)),
+            by_key: Arc::default(),
             gate: Arc::new(Semaphore::new(0)),
             gated: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         }
@@ -51,6 +53,30 @@ impl Probe {
         self.gate.add_permits(Semaphore::MAX_PERMITS / 2);
     }
 
+    /// Runs per key (the `Idempotency-Key` header, or "" without one).
+    pub fn runs_of(&self, key: &str) -> usize {
+        self.by_key.lock().unwrap().get(key).copied().unwrap_or(0)
+    }
+
+    pub fn max_runs_per_key(&self) -> usize {
+        self.by_key
+            .lock()
+            .unwrap()
+            .values()
+            .copied()
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn count_key(&self, headers: &HeaderMap) {
+        let key = headers
+            .get("idempotency-key")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        *self.by_key.lock().unwrap().entry(key).or_default() += 1;
+    }
+
     async fn enter(&self) -> usize {
         let n = self.runs.fetch_add(1, Ordering::SeqCst) + 1;
         if self.gated.load(Ordering::SeqCst) {
@@ -63,9 +89,12 @@ impl Probe {
 async fn create(
     State(p): State<Probe>,
     ctx: Option<IdempotencyContext>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> impl IntoResponse {
+    p.count_key(&headers);
     let run = p.enter().await;
+
     let held = ctx
         .as_ref()
         .and_then(|c| c.lease())
@@ -123,25 +152,77 @@ async fn panics(State(p): State<Probe>) -> &'static str {
     "ok"
 }
 
+/// Answers 201 without echoing anything of the request.
+async fn quiet(State(p): State<Probe>) -> impl IntoResponse {
+    let run = p.enter().await;
+    (StatusCode::CREATED, format!("created {run}"))
+}
+
 /// The service under test, with the layer configured by `configure`.
 pub fn app(
     store: &Store,
     configure: impl FnOnce(IdempotencyLayerBuilder) -> IdempotencyLayerBuilder,
 ) -> (Router, Probe) {
     let probe = Probe::new();
+    (app_with(store, &probe, configure), probe)
+}
+
+/// Another instance of the service, sharing `probe` (as instances share a database).
+pub fn app_with(
+    store: &Store,
+    probe: &Probe,
+    configure: impl FnOnce(IdempotencyLayerBuilder) -> IdempotencyLayerBuilder,
+) -> Router {
+    let probe = probe.clone();
     let layer = configure(IdempotencyLayer::builder(store.clone()))
         .build()
         .expect("valid layer");
-    let router = Router::new()
+    Router::new()
         .route("/things", post(create).get(create))
         .route("/signup", post(create))
         .route("/flaky", post(flaky))
         .route("/status", post(status_from_body))
         .route("/big", post(big))
         .route("/panics", post(panics))
+        .route("/quiet", post(quiet))
         .layer(layer)
-        .with_state(probe.clone());
-    (router, probe)
+        .with_state(probe)
+}
+
+/// Serves `router` on a free loopback port until the returned handle is dropped.
+pub async fn serve(router: Router) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let handle = tokio::spawn(async move {
+        axum::serve(listener, router).await.unwrap();
+    });
+    (addr, handle)
+}
+
+/// An HTTP/1 client over loopback.
+pub type Client =
+    hyper_util::client::legacy::Client<hyper_util::client::legacy::connect::HttpConnector, Body>;
+
+pub fn client() -> Client {
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http()
+}
+
+/// Sends `request` to `addr` over HTTP.
+pub async fn http(
+    client: &Client,
+    addr: std::net::SocketAddr,
+    mut request: Request<Body>,
+) -> Reply {
+    let uri = format!("http://{addr}{}", request.uri());
+    *request.uri_mut() = uri.parse().unwrap();
+    let response = client.request(request).await.unwrap();
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
 }
 
 /// A response, read in full.

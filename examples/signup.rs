@@ -1,0 +1,44 @@
+//! Signup service: one account per phone number, however often and on however many instances
+//! the form is submitted.
+//!
+//! ```sh
+//! cargo run --example signup                                 # in-memory store, 127.0.0.1:3000
+//! REDIS_URL=redis://127.0.0.1:6379/ BIND=127.0.0.1:3001 cargo run --example signup
+//! curl -i -X POST localhost:3000/signup -H 'content-type: application/json' \
+//!      -d '{"phone":"+15550100","name":"Ada"}'
+//! ```
+
+#[path = "shared/signup.rs"]
+#[allow(dead_code)] // each example uses part of the shared service
+mod signup_app;
+
+use std::time::Duration;
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "info,tower_idempotency=debug".into()),
+        )
+        .init();
+    let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
+    let store = signup_app::store_from_env()?;
+    let users = signup_app::Users::with_work(Duration::from_millis(300));
+    let app = signup_app::app(store.clone(), users)?;
+    let listener = tokio::net::TcpListener::bind(&bind).await?;
+    println!(
+        "signup service on http://{} (idempotency store: {})",
+        listener.local_addr()?,
+        store.describe()
+    );
+    println!(
+        "try: curl -i -X POST http://{}/signup -H 'content-type: application/json' -d '{{\"phone\":\"+15550100\",\"name\":\"Ada\"}}'",
+        listener.local_addr()?
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(())
+}

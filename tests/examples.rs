@@ -1,0 +1,122 @@
+//! The example services, under duplicate load: one account per phone number, each payment
+//! event applied to the ledger exactly once. On the in-memory store and on Redis.
+
+mod support;
+
+#[path = "../examples/shared/signup.rs"]
+#[allow(dead_code)]
+mod signup_app;
+#[path = "../examples/shared/webhook.rs"]
+#[allow(dead_code)]
+mod webhook_app;
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use support::{TestStore, send};
+
+fn signup(phone: &str) -> Request<Body> {
+    Request::post("/signup")
+        .header("content-type", "application/json")
+        .body(Body::from(format!(r#"{{"phone":"{phone}","name":"Ada"}}"#)))
+        .unwrap()
+}
+
+fn delivery(event: &str, order: &str, amount: u64, header: bool) -> Request<Body> {
+    let mut b = Request::post("/webhooks/payments").header("content-type", "application/json");
+    if header {
+        b = b.header("idempotency-key", format!("delivery-{event}"));
+    }
+    b.body(Body::from(format!(
+        r#"{{"id":"{event}","order_id":"{order}","amount":{amount}}}"#
+    )))
+    .unwrap()
+}
+
+async fn signups_create_one_account_per_phone(s: TestStore) {
+    let users = signup_app::Users::with_work(Duration::from_millis(50));
+    let app = signup_app::app(s.store.clone(), users.clone()).unwrap();
+    let tasks: Vec<_> = (0..60)
+        .map(|i| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, signup(&format!("+1555000{}", i % 3))).await })
+        })
+        .collect();
+    for t in tasks {
+        let r = t.await.unwrap();
+        assert!(
+            matches!(r.status, StatusCode::CREATED | StatusCode::CONFLICT),
+            "{r:?}"
+        );
+    }
+    let counts = users.count_by_phone();
+    assert_eq!(counts.len(), 3);
+    assert!(counts.values().all(|n| *n == 1), "{counts:?}");
+    let retry = send(&app, signup("+15550000")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed());
+}
+
+async fn every_payment_event_is_applied_once(s: TestStore) {
+    let ledger = webhook_app::Ledger::with_work(Duration::from_millis(30));
+    let app = webhook_app::app(s.store.clone(), ledger.clone()).unwrap();
+    // 10 events, each delivered 6 times concurrently: with and without the provider's header.
+    let tasks: Vec<_> = (0..10)
+        .flat_map(|e| (0..6).map(move |_| e))
+        .map(|e| {
+            let app = app.clone();
+            tokio::spawn(async move {
+                let r = send(
+                    &app,
+                    delivery(
+                        &format!("evt_{e}"),
+                        &format!("ord_{}", e % 4),
+                        100,
+                        e % 2 == 0,
+                    ),
+                )
+                .await;
+                assert_eq!(
+                    r.status,
+                    StatusCode::OK,
+                    "retries wait for the first delivery: {r:?}"
+                );
+                r
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let entries = ledger.entries();
+    assert_eq!(entries.len(), 10, "one ledger entry per event: {entries:?}");
+    let total: u64 = (0..4).map(|o| ledger.paid(&format!("ord_{o}"))).sum();
+    assert_eq!(total, 1000, "nothing lost, nothing applied twice");
+}
+
+macro_rules! both {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::TestStore::memory().await).await;
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::TestStore::redis(stringify!($name)).await).await;
+                }
+            )*
+        }
+    };
+}
+
+both!(
+    signups_create_one_account_per_phone,
+    every_payment_event_is_applied_once
+);
