@@ -246,7 +246,6 @@ impl IdempotencyLayer {
     /// use std::time::Duration;
     /// use tower_idempotency::{IdempotencyLayer, KeySourceExt, OnConflict, Store, key};
     /// let layer = IdempotencyLayer::builder(Store::memory())
-
     ///     .key(key::header().or(key::json("/id")?))
     ///     .on_conflict(OnConflict::Wait(Duration::from_secs(5)))
     ///     .retention(Duration::from_secs(3600))
