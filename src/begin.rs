@@ -23,6 +23,8 @@ pub(crate) struct Run {
     pub(crate) guard: OnceGuard,
     pub(crate) fingerprint: [u8; 32],
     pub(crate) config: Arc<Config>,
+    /// The request's span, entered again while the outcome is stored.
+    pub(crate) span: tracing::Span,
 }
 
 /// What to do with a request.
@@ -47,7 +49,11 @@ fn reject<B>(rejection: Rejection) -> Decision<B> {
     Decision::Respond(rejection.to_response())
 }
 
-pub(crate) async fn begin<B>(config: Arc<Config>, request: Request<B>) -> Decision<B>
+pub(crate) async fn begin<B>(
+    config: Arc<Config>,
+    request: Request<B>,
+    span: tracing::Span,
+) -> Decision<B>
 where
     B: Body + From<Bytes> + Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -114,6 +120,7 @@ where
                     guard,
                     fingerprint,
                     config,
+                    span,
                 })),
             }
         }

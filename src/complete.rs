@@ -13,8 +13,17 @@ use crate::body::{Collected, ResponseBody, collect_response};
 use crate::metrics::{Outcome, count, store_latency};
 use crate::record::Record;
 use crate::replay::stored_headers;
+use tracing::Instrument;
 
 pub(crate) async fn complete<B>(run: Box<Run>, response: Response<B>) -> Response<ResponseBody<B>>
+where
+    B: Body<Data = Bytes>,
+{
+    let span = run.span.clone();
+    store(run, response).instrument(span).await
+}
+
+async fn store<B>(run: Box<Run>, response: Response<B>) -> Response<ResponseBody<B>>
 where
     B: Body<Data = Bytes>,
 {
@@ -22,6 +31,7 @@ where
         guard,
         fingerprint,
         config,
+        span: _,
     } = *run;
     let (parts, body) = response.into_parts();
     if !(config.store_if)(parts.status) {

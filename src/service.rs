@@ -7,6 +7,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
 use tower_service::Service;
+use tracing::Instrument;
 
 use crate::ResponseFuture;
 use crate::body::ResponseBody;
@@ -90,7 +91,12 @@ where
         // The inner service was polled ready: keep that one for the call, leave a clone here.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        let begin = Box::pin(crate::begin::begin(self.config.clone(), request));
-        ResponseFuture::beginning(begin, inner)
+        let span = tracing::debug_span!(
+            "idempotency",
+            method = %request.method(),
+            path = %request.uri().path(),
+        );
+        let begin = crate::begin::begin(self.config.clone(), request, span.clone());
+        ResponseFuture::beginning(Box::pin(begin.instrument(span)), inner)
     }
 }
