@@ -123,10 +123,7 @@ fn connect(
     let builder = LockClient::builder().config(config).prefix(prefix)?;
     match urls {
         [url] => builder.connect(url),
-        _ => Err(distlock::ConfigError::Invalid {
-            field: "redis",
-            reason: "several --redis (Redlock) are not supported by this build yet".into(),
-        }),
+        _ => builder.connect_redlock(urls),
     }
 }
 

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use crate::backend::Backend;
 use crate::backend::memory::MemoryBackend;
-use crate::backend::redis::{Conn, RedisBackend, spawn_notifier};
+use crate::backend::redis::{Conn, RedisBackend, Source, spawn_notifiers};
+use crate::backend::redlock::RedlockBackend;
 use crate::backend::waiters::Waiters;
 use crate::{ConfigError, Lock, LockConfig, LockName, MemoryLimits, Once, OwnerId};
 
@@ -60,7 +61,9 @@ impl LockClient {
         LockClientBuilder {
             config: LockConfig::default(),
             prefix: DEFAULT_PREFIX.to_owned(),
-            notifications: None,
+            notifications: Vec::new(),
+            node_timeout: None,
+            replicas: None,
         }
     }
 
@@ -220,12 +223,25 @@ impl LockClient {
 /// assert_eq!(client.config().lease(), Duration::from_secs(30));
 /// # Ok(()) }
 /// ```
-#[derive(Debug)]
 #[must_use]
 pub struct LockClientBuilder {
     config: LockConfig,
     prefix: String,
-    notifications: Option<redis::Client>,
+    notifications: Vec<Source>,
+    node_timeout: Option<Duration>,
+    replicas: Option<(usize, Duration)>,
+}
+
+impl std::fmt::Debug for LockClientBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LockClientBuilder")
+            .field("config", &self.config)
+            .field("prefix", &self.prefix)
+            .field("notifications", &self.notifications.len())
+            .field("node_timeout", &self.node_timeout)
+            .field("replicas", &self.replicas)
+            .finish()
+    }
 }
 
 impl LockClientBuilder {
@@ -260,8 +276,216 @@ impl LockClientBuilder {
     /// let b = distlock::LockClient::builder().notifications(redis);
     /// ```
     pub fn notifications(mut self, client: redis::Client) -> Self {
-        self.notifications = Some(client);
+        self.notifications.push(Source::Client(client));
         self
+    }
+
+    /// (Redlock) The timeout of one node's answer (default: 1% of the lease, at least 50 ms and
+    /// at most a third of the command timeout). It must be small against the lease, so that a
+    /// node that is down costs little of the validity.
+    ///
+    /// ```
+    /// let b = distlock::LockClient::builder().node_timeout(std::time::Duration::from_millis(20));
+    /// ```
+    pub fn node_timeout(mut self, timeout: Duration) -> Self {
+        self.node_timeout = Some(timeout);
+        self
+    }
+
+    /// (Single Redis, Sentinel) After acquiring, `WAIT` until `replicas` replicas acknowledged
+    /// the lock, at most `timeout`; fewer in time counts as not acquired (the lock is released
+    /// and [`LockError::NotReplicated`](crate::LockError::NotReplicated) returned), like
+    /// Redisson's replica check.
+    ///
+    /// What it buys: a failover right after the acquisition no longer loses the lock when the
+    /// promoted replica is one that acknowledged it. What it does not: it is not consensus. The
+    /// lock can still be lost if a replica that did not acknowledge is promoted, and renewals
+    /// are not waited for. Not for Redis Cluster connections (`WAIT` would go to an arbitrary
+    /// node) or Redlock (which does not rely on replicas).
+    ///
+    /// # Errors
+    /// If `replicas` is zero or `timeout` is not below the command timeout.
+    ///
+    /// ```
+    /// let b = distlock::LockClient::builder()
+    ///     .replicas(1, std::time::Duration::from_millis(100))
+    ///     .unwrap();
+    /// ```
+    pub fn replicas(mut self, replicas: usize, timeout: Duration) -> Result<Self, ConfigError> {
+        if replicas == 0 {
+            return Err(ConfigError::invalid("replicas", "must be at least 1"));
+        }
+        if timeout.is_zero() || timeout >= self.config.op_timeout() {
+            return Err(ConfigError::invalid(
+                "replicas",
+                format!(
+                    "the WAIT timeout {timeout:?} must be above zero and below the command timeout {:?}",
+                    self.config.op_timeout()
+                ),
+            ));
+        }
+        self.replicas = Some((replicas, timeout));
+        Ok(self)
+    }
+
+    /// Locks on the master of a Sentinel-managed group: commands follow the master across
+    /// failovers, and so do notifications. Must be called inside a Tokio runtime. See
+    /// [`sentinel`](crate::sentinel) for what a failover costs.
+    ///
+    /// # Errors
+    /// If a sentinel URL is invalid.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::ConfigError> {
+    /// let client = distlock::LockClient::builder()
+    ///     .sentinel(&["redis://127.0.0.1:26379/"], "mymaster")?;
+    /// assert!(client.store().contains("sentinel"));
+    /// # Ok(()) }
+    /// ```
+    pub fn sentinel<S: AsRef<str>>(
+        mut self,
+        sentinels: &[S],
+        service: &str,
+    ) -> Result<LockClient, ConfigError> {
+        let conn = crate::sentinel::SentinelConnection::new(sentinels, service)?;
+        self.notifications.push(Source::Sentinel(conn.sentinel()));
+        Ok(self.redis_described(conn, format!("redis sentinel ({service})")))
+    }
+
+    fn waiters(&mut self) -> Arc<Waiters> {
+        if self.notifications.is_empty() {
+            Waiters::local()
+        } else {
+            spawn_notifiers(
+                std::mem::take(&mut self.notifications),
+                self.config.op_timeout(),
+            )
+        }
+    }
+
+    fn build(self, backend: Arc<dyn Backend>) -> LockClient {
+        LockClient {
+            inner: Arc::new(ClientInner {
+                backend,
+                config: Arc::new(self.config),
+                prefix: self.prefix,
+            }),
+        }
+    }
+
+    /// Redlock across independent masters (see the [`redlock` docs](crate#redlock)): one
+    /// connection per master, all of the same type. Locks, fencing tokens, the watchdog and
+    /// the loss signal work as on one Redis; a lock is held while a quorum (N/2 + 1) holds it.
+    /// Notifications, if wanted, come from [`notifications`](Self::notifications) given once
+    /// per master. Must be called inside a Tokio runtime when notifications are set.
+    ///
+    /// # Errors
+    /// If there is no node, or the node timeout is not small against the command timeout.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut conns = Vec::new();
+    /// for port in [7001, 7002, 7003] {
+    ///     let client = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?;
+    ///     conns.push(client.get_connection_manager_lazy(Default::default())?);
+    /// }
+    /// let client = distlock::LockClient::builder().redlock(conns)?;
+    /// assert!(client.store().starts_with("redlock"));
+    /// # Ok(()) }
+    /// ```
+    pub fn redlock<C>(self, nodes: Vec<C>) -> Result<LockClient, ConfigError>
+    where
+        C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+    {
+        let described = (0..nodes.len()).map(|i| format!("node {i}")).collect();
+        self.redlock_described(nodes, described)
+    }
+
+    fn redlock_described<C: Conn>(
+        mut self,
+        nodes: Vec<C>,
+        names: Vec<String>,
+    ) -> Result<LockClient, ConfigError> {
+        if nodes.is_empty() {
+            return Err(ConfigError::invalid(
+                "redis",
+                "Redlock needs at least one node",
+            ));
+        }
+        let op_timeout = self.config.op_timeout();
+        let node_timeout = self.node_timeout.unwrap_or_else(|| {
+            (self.config.lease() / 100)
+                .max(Duration::from_millis(50))
+                .min(op_timeout / 3)
+        });
+        if node_timeout.is_zero() || node_timeout * 3 > op_timeout {
+            return Err(ConfigError::invalid(
+                "node_timeout",
+                format!(
+                    "{node_timeout:?} must be above zero and at most a third of the command timeout {op_timeout:?} (an acquisition is up to three rounds)"
+                ),
+            ));
+        }
+        let waiters = self.waiters();
+        let describe = format!(
+            "redlock ({} nodes, quorum {}: {})",
+            nodes.len(),
+            nodes.len() / 2 + 1,
+            names.join(", ")
+        );
+        let nodes = nodes
+            .into_iter()
+            .zip(names)
+            .map(|(conn, name)| RedisBackend::new(conn, Waiters::local(), name))
+            .collect();
+        let backend = RedlockBackend::new(nodes, node_timeout, waiters, describe);
+        Ok(self.build(Arc::new(backend)))
+    }
+
+    /// Redlock on the masters at `urls`: a lazily connected `ConnectionManager` and a
+    /// notification connection per master. Must be called inside a Tokio runtime.
+    ///
+    /// # Errors
+    /// If a URL is not a Redis URL, or as [`redlock`](Self::redlock).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::ConfigError> {
+    /// let client = distlock::LockClient::builder().connect_redlock(&[
+    ///     "redis://127.0.0.1:7001/", "redis://127.0.0.1:7002/", "redis://127.0.0.1:7003/",
+    /// ])?;
+    /// # Ok(()) }
+    /// ```
+    pub fn connect_redlock<S: AsRef<str>>(mut self, urls: &[S]) -> Result<LockClient, ConfigError> {
+        let mut conns = Vec::with_capacity(urls.len());
+        let mut names = Vec::with_capacity(urls.len());
+        for url in urls {
+            let (client, conn) = self.manager(url.as_ref())?;
+            names.push(client.get_connection_info().addr().to_string());
+            self.notifications.push(Source::Client(client));
+            conns.push(conn);
+        }
+        self.redlock_described(conns, names)
+    }
+
+    fn manager(
+        &self,
+        url: &str,
+    ) -> Result<(redis::Client, redis::aio::ConnectionManager), ConfigError> {
+        let client = redis::Client::open(url)
+            .map_err(|e| ConfigError::invalid("url", format!("{url:?}: {e}")))?;
+        let timeout = self.config.op_timeout();
+        let manager_config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_number_of_retries(2)
+            .set_min_delay(Duration::from_millis(20))
+            .set_max_delay(Duration::from_millis(500));
+        let conn = client
+            .get_connection_manager_lazy(manager_config)
+            .map_err(|e| ConfigError::invalid("url", format!("{url:?}: {e}")))?;
+        Ok((client, conn))
     }
 
     /// Locks on Redis through `conn`: a `ConnectionManager`, `MultiplexedConnection`, cluster
@@ -283,25 +507,20 @@ impl LockClientBuilder {
     where
         C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
     {
-        let describe = match &self.notifications {
-            Some(client) => format!("redis ({})", client.get_connection_info().addr()),
+        let describe = match self.notifications.first() {
+            Some(Source::Client(client)) => {
+                format!("redis ({})", client.get_connection_info().addr())
+            }
+            Some(Source::Sentinel(_)) => "redis (sentinel)".to_owned(),
             None => "redis".to_owned(),
         };
         self.redis_described(conn, describe)
     }
 
-    fn redis_described<C: Conn>(self, conn: C, describe: String) -> LockClient {
-        let waiters = match self.notifications {
-            Some(client) => spawn_notifier(client, self.config.op_timeout()),
-            None => Waiters::local(),
-        };
-        LockClient {
-            inner: Arc::new(ClientInner {
-                backend: Arc::new(RedisBackend::new(conn, waiters, describe)),
-                config: Arc::new(self.config),
-                prefix: self.prefix,
-            }),
-        }
+    fn redis_described<C: Conn>(mut self, conn: C, describe: String) -> LockClient {
+        let waiters = self.waiters();
+        let backend = RedisBackend::new(conn, waiters, describe).with_replicas(self.replicas);
+        self.build(Arc::new(backend))
     }
 
     /// Locks on the Redis at `url`, through a lazily connected `ConnectionManager` (it reconnects
@@ -318,17 +537,7 @@ impl LockClientBuilder {
     /// # }
     /// ```
     pub fn connect(self, url: &str) -> Result<LockClient, ConfigError> {
-        let client = redis::Client::open(url)
-            .map_err(|e| ConfigError::invalid("url", format!("{url:?}: {e}")))?;
-        let timeout = self.config.op_timeout();
-        let manager_config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout))
-            .set_number_of_retries(2)
-            .set_min_delay(Duration::from_millis(20))
-            .set_max_delay(Duration::from_millis(500));
-        let conn = client
-            .get_connection_manager_lazy(manager_config)
-            .map_err(|e| ConfigError::invalid("url", format!("{url:?}: {e}")))?;
+        let (client, conn) = self.manager(url)?;
         let describe = format!("redis ({})", client.get_connection_info().addr());
         Ok(self.notifications(client).redis_described(conn, describe))
     }
@@ -339,12 +548,6 @@ impl LockClientBuilder {
     /// let client = distlock::LockClient::builder().memory(distlock::MemoryLimits::default());
     /// ```
     pub fn memory(self, limits: MemoryLimits) -> LockClient {
-        LockClient {
-            inner: Arc::new(ClientInner {
-                backend: Arc::new(MemoryBackend::new(limits)),
-                config: Arc::new(self.config),
-                prefix: self.prefix,
-            }),
-        }
+        self.build(Arc::new(MemoryBackend::new(limits)))
     }
 }

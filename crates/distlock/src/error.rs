@@ -76,6 +76,20 @@ pub enum LockError {
         #[source]
         source: Option<redis::RedisError>,
     },
+    /// The lock was taken on the master, but fewer replicas than required acknowledged it within
+    /// the timeout (see [`LockClientBuilder::replicas`](crate::LockClientBuilder::replicas)); it
+    /// was released again.
+    #[error(
+        "lock {name:?}: {acknowledged} of {wanted} replicas acknowledged the acquisition in time; released"
+    )]
+    NotReplicated {
+        /// The lock name.
+        name: String,
+        /// Replicas that acknowledged.
+        acknowledged: usize,
+        /// Replicas required.
+        wanted: usize,
+    },
     /// The in-memory store is at its configured capacity with locks that are all held.
     #[error("in-memory lock store is full ({entries} entries); lock {name:?} was not taken")]
     Capacity {
@@ -124,7 +138,9 @@ impl LockError {
     pub fn is_unavailable(&self) -> bool {
         matches!(
             self,
-            LockError::Unavailable { .. } | LockError::NoQuorum { .. }
+            LockError::Unavailable { .. }
+                | LockError::NoQuorum { .. }
+                | LockError::NotReplicated { .. }
         )
     }
 

@@ -76,6 +76,7 @@ mod lease;
 mod lock;
 mod name;
 pub mod once;
+pub mod sentinel;
 mod token;
 mod watchdog;
 

@@ -80,6 +80,7 @@ impl Lock {
             name: self.name.clone(),
             token: Token::random(),
             lease: self.config.lease(),
+            drift: self.config.drift(),
             state_ttl: self.config.fence_ttl(),
             mode: match &self.owner {
                 Some(owner) => Mode::Reentrant {

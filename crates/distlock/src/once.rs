@@ -184,6 +184,7 @@ impl Once {
             name: self.name.clone(),
             token: Token::random(),
             lease: self.config.lease(),
+            drift: self.config.drift(),
             state_ttl: None,
             mode: Mode::Once {
                 tag,

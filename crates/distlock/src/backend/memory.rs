@@ -394,7 +394,8 @@ impl MemoryBackend {
         if last {
             store.remove_lock(key);
             drop(store);
-            self.waiters.wake(op.name.channel());
+            self.waiters
+                .wake(op.name.channel(), op.token.as_str().as_bytes());
         }
         true
     }
@@ -424,7 +425,8 @@ impl MemoryBackend {
         store.set_state_expiry(state_key, state_ttl(op), now);
         store.remove_lock(key);
         drop(store);
-        self.waiters.wake(op.name.channel());
+        self.waiters
+            .wake(op.name.channel(), op.token.as_str().as_bytes());
         Ok(true)
     }
 
@@ -483,6 +485,7 @@ mod tests {
             name: LockName::new("t", name).unwrap(),
             token: Token::random(),
             lease: Duration::from_millis(lease_ms),
+            drift: Duration::from_millis(2),
             state_ttl: None,
             mode,
         }

@@ -13,6 +13,7 @@ use crate::{LockError, LockName, OwnerId, Token};
 
 pub(crate) mod memory;
 pub(crate) mod redis;
+pub(crate) mod redlock;
 pub(crate) mod waiters;
 
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -35,6 +36,8 @@ pub(crate) struct Op {
     pub(crate) name: LockName,
     pub(crate) token: Token,
     pub(crate) lease: Duration,
+    /// The clock drift allowance: a lease counts as held until `sent + lease - drift`.
+    pub(crate) drift: Duration,
     pub(crate) state_ttl: Option<Duration>,
     pub(crate) mode: Mode,
 }

@@ -1,22 +1,23 @@
 //! Local registry of tasks waiting for a lock to be released.
 //!
 //! One slot per channel, shared by every waiter of that lock in this client; a release wakes one
-//! waiter (`notify_one`), not all of them, so a release never starts a stampede. When a backend has a
-//! pub/sub feed, the first waiter of a channel subscribes it and the last one unsubscribes it, all
-//! over the backend's one shared pub/sub connection.
+//! waiter (`notify_one`), not all of them, so a release never starts a stampede. A backend may
+//! have pub/sub feeds (one per Redis node): the first waiter of a channel subscribes it on every
+//! feed and the last one unsubscribes it. An announcement carries the releaser's token, so the
+//! same release heard from several nodes wakes one waiter, not one per node.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::sync::{Notify, mpsc};
 
-/// A request to the pub/sub task.
+/// A request to a pub/sub task.
 #[derive(Debug)]
 pub(crate) enum Command {
-    /// Subscribe the channel; answer on the sender once the server confirmed (or drop it if the
-    /// subscription could not be made).
-    Subscribe(String, oneshot::Sender<()>),
+    /// Subscribe the channel; send on the acknowledgement once the server confirmed (nothing
+    /// is sent if the subscription could not be made).
+    Subscribe(String, mpsc::Sender<()>),
     /// No waiter is left on the channel.
     Unsubscribe(String),
 }
@@ -25,13 +26,15 @@ pub(crate) enum Command {
 struct Slot {
     notify: Arc<Notify>,
     waiters: usize,
+    /// The token of the last release announced on this channel.
+    last: Vec<u8>,
 }
 
 /// Waiters by channel.
 #[derive(Debug, Default)]
 pub(crate) struct Waiters {
     slots: Mutex<HashMap<String, Slot>>,
-    feed: Option<mpsc::UnboundedSender<Command>>,
+    feeds: Vec<mpsc::UnboundedSender<Command>>,
 }
 
 impl Waiters {
@@ -40,11 +43,11 @@ impl Waiters {
         Arc::new(Waiters::default())
     }
 
-    /// A registry whose subscriptions are forwarded to a pub/sub task.
-    pub(crate) fn with_feed(feed: mpsc::UnboundedSender<Command>) -> Arc<Self> {
+    /// A registry whose subscriptions are forwarded to pub/sub tasks.
+    pub(crate) fn with_feeds(feeds: Vec<mpsc::UnboundedSender<Command>>) -> Arc<Self> {
         Arc::new(Waiters {
             slots: Mutex::default(),
-            feed: Some(feed),
+            feeds,
         })
     }
 
@@ -64,16 +67,15 @@ impl Waiters {
                     Slot {
                         notify: notify.clone(),
                         waiters: 1,
+                        last: Vec::new(),
                     },
                 );
-                if let Some(feed) = &self.feed {
-                    let (tx, rx) = oneshot::channel();
-                    if feed
-                        .send(Command::Subscribe(channel.to_owned(), tx))
-                        .is_ok()
-                    {
-                        ack = Some(rx);
+                if !self.feeds.is_empty() {
+                    let (tx, rx) = mpsc::channel(self.feeds.len());
+                    for feed in &self.feeds {
+                        let _ = feed.send(Command::Subscribe(channel.to_owned(), tx.clone()));
                     }
+                    ack = Some(rx);
                 }
                 notify
             }
@@ -86,10 +88,16 @@ impl Waiters {
         }
     }
 
-    /// Wakes one waiter of `channel` (or lets the next one that waits pass at once).
-    pub(crate) fn wake(&self, channel: &str) {
-        let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(slot) = slots.get(channel) {
+    /// A release of `channel` by `token` was announced: wakes one waiter (or lets the next one
+    /// that waits pass at once), unless this same release was already announced.
+    pub(crate) fn wake(&self, channel: &str, token: &[u8]) {
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(slot) = slots.get_mut(channel) {
+            if !token.is_empty() && slot.last == token {
+                return;
+            }
+            slot.last.clear();
+            slot.last.extend_from_slice(token);
             slot.notify.notify_one();
         }
     }
@@ -120,7 +128,7 @@ impl Waiters {
             slot.waiters -= 1;
             if slot.waiters == 0 {
                 slots.remove(channel);
-                if let Some(feed) = &self.feed {
+                for feed in &self.feeds {
                     let _ = feed.send(Command::Unsubscribe(channel.to_owned()));
                 }
             }
@@ -134,16 +142,16 @@ pub(crate) struct Waiter {
     registry: Arc<Waiters>,
     channel: String,
     notify: Arc<Notify>,
-    ack: Option<oneshot::Receiver<()>>,
+    ack: Option<mpsc::Receiver<()>>,
 }
 
 impl Waiter {
-    /// Waits (at most `limit`) until the subscription is confirmed. Returns whether notifications
-    /// are live; when they are not, the caller relies on polling.
+    /// Waits (at most `limit`) until a feed confirmed the subscription. Returns whether
+    /// notifications are live; when they are not, the caller relies on polling.
     pub(crate) async fn subscribed(&mut self, limit: Duration) -> bool {
         match self.ack.take() {
-            None => self.registry.feed.is_none() || self.registry.is_waited(&self.channel),
-            Some(rx) => matches!(tokio::time::timeout(limit, rx).await, Ok(Ok(()))),
+            None => self.registry.feeds.is_empty() || self.registry.is_waited(&self.channel),
+            Some(mut rx) => matches!(tokio::time::timeout(limit, rx.recv()).await, Ok(Some(()))),
         }
     }
 
@@ -163,45 +171,63 @@ impl Drop for Waiter {
 mod tests {
     use super::*;
 
+    async fn woke(w: &Waiter) -> bool {
+        tokio::time::timeout(Duration::from_millis(50), w.notified())
+            .await
+            .is_ok()
+    }
+
     #[tokio::test]
     async fn a_release_wakes_one_waiter_not_all() {
         let reg = Waiters::local();
         let a = reg.register("c");
         let b = reg.register("c");
-        reg.wake("c");
-        let woke_a = tokio::time::timeout(Duration::from_millis(50), a.notified())
-            .await
-            .is_ok();
-        let woke_b = tokio::time::timeout(Duration::from_millis(50), b.notified())
-            .await
-            .is_ok();
-        assert!(
-            woke_a ^ woke_b,
-            "exactly one waiter wakes: {woke_a} {woke_b}"
-        );
+        reg.wake("c", b"t1");
+        let (wa, wb) = (woke(&a).await, woke(&b).await);
+        assert!(wa ^ wb, "exactly one waiter wakes: {wa} {wb}");
     }
 
     #[tokio::test]
-    async fn first_waiter_subscribes_and_last_unsubscribes() {
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let reg = Waiters::with_feed(tx);
+    async fn the_same_release_heard_twice_wakes_once() {
+        let reg = Waiters::local();
         let a = reg.register("c");
         let b = reg.register("c");
-        match rx.try_recv().unwrap() {
+        reg.wake("c", b"t1");
+        reg.wake("c", b"t1"); // the same release, from another node
+        assert_eq!(u8::from(woke(&a).await) + u8::from(woke(&b).await), 1);
+        reg.wake("c", b"t2"); // a new release
+        assert_eq!(u8::from(woke(&a).await) + u8::from(woke(&b).await), 1);
+    }
+
+    #[tokio::test]
+    async fn first_waiter_subscribes_on_every_feed_and_last_unsubscribes() {
+        let (tx1, mut rx1) = mpsc::unbounded_channel();
+        let (tx2, mut rx2) = mpsc::unbounded_channel();
+        let reg = Waiters::with_feeds(vec![tx1, tx2]);
+        let mut a = reg.register("c");
+        let b = reg.register("c");
+        let ack = match rx1.try_recv().unwrap() {
             Command::Subscribe(ch, ack) => {
                 assert_eq!(ch, "c");
-                ack.send(()).unwrap();
+                ack
             }
             other => panic!("{other:?}"),
-        }
+        };
+        assert!(matches!(rx2.try_recv().unwrap(), Command::Subscribe(..)));
         assert!(
-            rx.try_recv().is_err(),
+            rx1.try_recv().is_err(),
             "the second waiter shares the subscription"
         );
+        ack.try_send(()).unwrap();
+        assert!(
+            a.subscribed(Duration::from_secs(1)).await,
+            "one feed's confirmation suffices"
+        );
         drop(a);
-        assert!(rx.try_recv().is_err());
+        assert!(rx1.try_recv().is_err());
         drop(b);
-        assert!(matches!(rx.try_recv().unwrap(), Command::Unsubscribe(ch) if ch == "c"));
+        assert!(matches!(rx1.try_recv().unwrap(), Command::Unsubscribe(ch) if ch == "c"));
+        assert!(matches!(rx2.try_recv().unwrap(), Command::Unsubscribe(_)));
         assert!(reg.channels().is_empty());
     }
 }

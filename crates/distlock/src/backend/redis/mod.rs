@@ -16,7 +16,7 @@ use crate::LockError;
 mod notify;
 mod scripts;
 
-pub(crate) use notify::spawn_notifier;
+pub(crate) use notify::{Source, spawn_notifiers};
 use scripts::SCRIPTS;
 
 /// A connection Redis lock operations can be sent on.
@@ -27,6 +27,8 @@ pub(crate) struct RedisBackend<C> {
     conn: C,
     waiters: Arc<Waiters>,
     describe: String,
+    /// Replicas that must acknowledge an acquisition (`WAIT`), and how long to wait for them.
+    replicas: Option<(usize, Duration)>,
 }
 
 impl<C> std::fmt::Debug for RedisBackend<C> {
@@ -43,7 +45,40 @@ impl<C: Conn> RedisBackend<C> {
             conn,
             waiters,
             describe,
+            replicas: None,
         }
+    }
+
+    pub(crate) fn with_replicas(mut self, replicas: Option<(usize, Duration)>) -> Self {
+        self.replicas = replicas;
+        self
+    }
+
+    /// `WAIT`s for the replicas after an acquisition; releases and refuses it if too few
+    /// acknowledge in time.
+    async fn check_replicas(
+        &self,
+        op: &Op,
+        wanted: usize,
+        timeout: Duration,
+    ) -> Result<(), LockError> {
+        let mut conn = self.conn.clone();
+        let acknowledged: i64 = redis::cmd("WAIT")
+            .arg(wanted)
+            .arg(millis(timeout))
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| LockError::from_redis(op.name.as_str(), false, e))?;
+        let acknowledged = usize::try_from(acknowledged).unwrap_or(0);
+        if acknowledged >= wanted {
+            return Ok(());
+        }
+        let _ = self.release(op).await;
+        Err(LockError::NotReplicated {
+            name: op.name.as_str().to_owned(),
+            acknowledged,
+            wanted,
+        })
     }
 }
 
@@ -138,6 +173,20 @@ impl<C: Conn> RedisBackend<C> {
     }
 }
 
+impl<C: Conn> RedisBackend<C> {
+    /// (Redlock) Raises this node's fencing counter to `fence` if the lock here is ours.
+    pub(crate) async fn fence_sync(&self, op: &Op, fence: u64) -> Result<bool, LockError> {
+        let mut inv = SCRIPTS.fence_sync.prepare_invoke();
+        inv.key(op.name.lock_key()).key(op.name.state_key());
+        match &op.mode {
+            Mode::Reentrant { owner } => inv.arg(owner.as_str()).arg(fence).arg("r"),
+            _ => inv.arg(op.token.as_str()).arg(fence).arg("x"),
+        };
+        let reply = self.eval(op, false, inv).await?;
+        parse_flag(op.name.as_str(), "fence_sync", reply)
+    }
+}
+
 impl<C: Conn> Backend for RedisBackend<C> {
     fn acquire<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<Attempt, LockError>> {
         Box::pin(async move {
@@ -168,7 +217,11 @@ impl<C: Conn> Backend for RedisBackend<C> {
                 }
             }
             let reply = self.eval(op, true, inv).await?;
-            parse_attempt(op.name.as_str(), reply)
+            let attempt = parse_attempt(op.name.as_str(), reply)?;
+            if let (Attempt::Acquired { .. }, Some((wanted, timeout))) = (&attempt, self.replicas) {
+                self.check_replicas(op, wanted, timeout).await?;
+            }
+            Ok(attempt)
         })
     }
 

@@ -15,24 +15,53 @@ use tokio::sync::mpsc;
 use crate::Backoff;
 use crate::backend::waiters::{Command, Waiters};
 
-/// Starts the pub/sub task for `client` and returns the registry that feeds it. The task ends
+/// Where a pub/sub connection comes from.
+#[derive(Clone)]
+pub(crate) enum Source {
+    /// A fixed server.
+    Client(redis::Client),
+    /// The current master of a Sentinel-managed group, asked again on every reconnect.
+    Sentinel(Arc<tokio::sync::Mutex<redis::sentinel::SentinelClient>>),
+}
+
+impl Source {
+    async fn connect(&self) -> redis::RedisResult<redis::aio::PubSub> {
+        match self {
+            Source::Client(client) => client.get_async_pubsub().await,
+            Source::Sentinel(sentinel) => {
+                let client = sentinel.lock().await.async_get_client().await?;
+                client.get_async_pubsub().await
+            }
+        }
+    }
+}
+
+/// Starts one pub/sub task per source and returns the registry that feeds them. The tasks end
 /// when the registry is dropped.
-pub(crate) fn spawn_notifier(client: redis::Client, op_timeout: Duration) -> Arc<Waiters> {
-    let (tx, rx) = mpsc::unbounded_channel();
-    let waiters = Waiters::with_feed(tx);
-    tokio::spawn(run(client, Arc::downgrade(&waiters), rx, op_timeout));
+pub(crate) fn spawn_notifiers(sources: Vec<Source>, op_timeout: Duration) -> Arc<Waiters> {
+    let mut feeds = Vec::with_capacity(sources.len());
+    let mut receivers = Vec::with_capacity(sources.len());
+    for _ in &sources {
+        let (tx, rx) = mpsc::unbounded_channel();
+        feeds.push(tx);
+        receivers.push(rx);
+    }
+    let waiters = Waiters::with_feeds(feeds);
+    for (source, rx) in sources.into_iter().zip(receivers) {
+        tokio::spawn(run(source, Arc::downgrade(&waiters), rx, op_timeout));
+    }
     waiters
 }
 
 async fn run(
-    client: redis::Client,
+    source: Source,
     waiters: Weak<Waiters>,
     mut commands: mpsc::UnboundedReceiver<Command>,
     op_timeout: Duration,
 ) {
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
     loop {
-        let connected = tokio::time::timeout(op_timeout, client.get_async_pubsub()).await;
+        let connected = tokio::time::timeout(op_timeout, source.connect()).await;
         let pubsub = match connected {
             Ok(Ok(pubsub)) => pubsub,
             Ok(Err(e)) => {
@@ -75,7 +104,7 @@ async fn run(
                     Some(Command::Subscribe(channel, ack)) => {
                         match tokio::time::timeout(op_timeout, sink.subscribe(&channel)).await {
                             Ok(Ok(())) => {
-                                let _ = ack.send(());
+                                let _ = ack.try_send(());
                             }
                             _ => break,
                         }
@@ -97,7 +126,7 @@ async fn run(
                     None => break,
                     Some(message) => {
                         let Some(registry) = waiters.upgrade() else { return };
-                        registry.wake(message.get_channel_name());
+                        registry.wake(message.get_channel_name(), message.get_payload_bytes());
                     }
                 },
             }
@@ -143,7 +172,10 @@ mod tests {
     #[tokio::test]
     async fn announcements_wake_waiters_and_survive_a_restart() {
         let server = testkit::RedisServer::start_owned().await;
-        let waiters = spawn_notifier(server.client(), Duration::from_secs(2));
+        let waiters = spawn_notifiers(
+            vec![Source::Client(server.client())],
+            Duration::from_secs(2),
+        );
         let mut waiter = waiters.register("p:{k}:rel");
         assert!(
             waiter.subscribed(Duration::from_secs(10)).await,

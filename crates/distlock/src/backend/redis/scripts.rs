@@ -16,10 +16,11 @@ pub(crate) struct Scripts {
     pub(crate) reentrant_acquire: Script,
     pub(crate) reentrant_release: Script,
     pub(crate) reentrant_extend: Script,
+    pub(crate) fence_sync: Script,
 }
 
 impl Scripts {
-    pub(crate) fn all(&self) -> [&Script; 7] {
+    pub(crate) fn all(&self) -> [&Script; 8] {
         [
             &self.acquire,
             &self.release,
@@ -28,6 +29,7 @@ impl Scripts {
             &self.reentrant_acquire,
             &self.reentrant_release,
             &self.reentrant_extend,
+            &self.fence_sync,
         ]
     }
 }
@@ -40,4 +42,5 @@ pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     reentrant_acquire: Script::new(include_str!("scripts/reentrant_acquire.lua")),
     reentrant_release: Script::new(include_str!("scripts/reentrant_release.lua")),
     reentrant_extend: Script::new(include_str!("scripts/reentrant_extend.lua")),
+    fence_sync: Script::new(include_str!("scripts/fence_sync.lua")),
 });

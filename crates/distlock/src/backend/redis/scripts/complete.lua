@@ -13,7 +13,7 @@ if redis.pcall('GET', KEYS[1]) == ARGV[1] then
   redis.call('HDEL', KEYS[2], 'm')
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
   redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', KEYS[1] .. ':rel', '')
+  redis.call('PUBLISH', KEYS[1] .. ':rel', ARGV[1])
   return 1
 end
 return 0

@@ -1,5 +1,6 @@
 -- Deletes the lock only if it still holds our token (compare-and-delete), then announces the
--- release so that waiters wake up instead of polling.
+-- release (with the token, so a waiter hearing it from several Redlock nodes wakes once)
+-- so that waiters wake up instead of polling.
 --
 -- KEYS[1]  lock key
 -- ARGV[1]  owner token
@@ -8,7 +9,7 @@
 -- someone else after it expired): then nothing is touched.
 if redis.pcall('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', KEYS[1] .. ':rel', '')
+  redis.call('PUBLISH', KEYS[1] .. ':rel', ARGV[1])
   return 1
 end
 return 0

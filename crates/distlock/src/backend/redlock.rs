@@ -1,0 +1,273 @@
+//! Redlock: one lock across N independent Redis masters, the algorithm from the Redis
+//! documentation (reference article 001).
+//!
+//! * **Acquire**: the same key and token are sent to all N nodes *concurrently*, each with a
+//!   timeout small against the lease. The lock is ours if a quorum (N/2 + 1) took it and the
+//!   validity left, `lease - elapsed - drift` (drift = 1% of the lease + 2 ms by default, all
+//!   measured with `Instant`), is positive. Otherwise it is released on **all** nodes, including
+//!   those that seemed to fail (their command may have run after the timeout), and the caller
+//!   retries after a random delay (the waiting backoff has full jitter).
+//! * **Fencing**: each node's acquisition draws that node's counter + 1; the fence is the largest
+//!   of them, and it is written back to every node of the quorum while the lock is held there
+//!   (`fence_sync.lua`). The acquisition fails unless a quorum confirms that write. Argument:
+//!   holder A's write-back reached a quorum W_A while A held the lock on those nodes; a later
+//!   holder B takes a quorum Q_B only where the lock is free, hence after A's write on each node
+//!   of W_A ∩ Q_B, which is not empty (two majorities intersect). On such a node B's counter
+//!   starts at A's fence or above, so B's fence is greater. This holds as long as the nodes in
+//!   those intersections keep their data: run the nodes with `appendfsync always` for fencing
+//!   tokens that never repeat. A node that restarts empty keeps the *lock* safe under the
+//!   delayed-restart rule, but its counter starts again, and if it is the only node two
+//!   successive quorums share, a fence can repeat once.
+//! * **Extend** and **complete** count only when a quorum confirms; the watchdog measures the
+//!   new validity from when the renewal was sent, so a renewal confirmed too late counts for
+//!   nothing (the loss signal has already fired).
+//! * **Restart rule**: a node that crashes and restarts without the keys it had can give a second
+//!   client a quorum while the first still holds the lock. Either restart crashed nodes only
+//!   after the longest lease has passed (delayed restart), or persist every write (AOF with
+//!   `appendfsync always`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+
+use super::redis::{Conn, RedisBackend};
+use super::waiters::Waiters;
+use super::{Attempt, Backend, BoxFuture, Op};
+use crate::LockError;
+
+pub(crate) struct RedlockBackend<C> {
+    nodes: Vec<RedisBackend<C>>,
+    quorum: usize,
+    node_timeout: Duration,
+    waiters: Arc<Waiters>,
+    describe: String,
+}
+
+impl<C> std::fmt::Debug for RedlockBackend<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedlockBackend")
+            .field("describe", &self.describe)
+            .field("quorum", &self.quorum)
+            .field("node_timeout", &self.node_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The answers of all nodes to one operation, each within the node timeout.
+struct Fanout<T> {
+    results: Vec<Result<T, LockError>>,
+}
+
+impl<T> Fanout<T> {
+    fn errors(&self) -> usize {
+        self.results.iter().filter(|r| r.is_err()).count()
+    }
+
+    fn last_error(&mut self) -> Option<redis::RedisError> {
+        self.results.iter_mut().rev().find_map(|r| match r {
+            Err(LockError::Unavailable { source, .. } | LockError::Redis { source, .. }) => {
+                Some(source.clone())
+            }
+            _ => None,
+        })
+    }
+}
+
+impl<C: Conn> RedlockBackend<C> {
+    pub(crate) fn new(
+        nodes: Vec<RedisBackend<C>>,
+        node_timeout: Duration,
+        waiters: Arc<Waiters>,
+        describe: String,
+    ) -> Self {
+        let quorum = nodes.len() / 2 + 1;
+        RedlockBackend {
+            nodes,
+            quorum,
+            node_timeout,
+            waiters,
+            describe,
+        }
+    }
+
+    /// Runs `f` on every node at once, each bounded by the node timeout.
+    async fn fanout<'a, T, F>(&'a self, op: &Op, f: F) -> Fanout<T>
+    where
+        F: Fn(&'a RedisBackend<C>) -> BoxFuture<'a, Result<T, LockError>>,
+    {
+        let timeout = self.node_timeout;
+        let name = op.name.as_str();
+        let results = join_all(self.nodes.iter().map(|node| {
+            let call = f(node);
+            async move {
+                match tokio::time::timeout(timeout, call).await {
+                    Ok(result) => result,
+                    Err(_) => Err(LockError::timeout(name, true, timeout)),
+                }
+            }
+        }))
+        .await;
+        Fanout { results }
+    }
+
+    fn no_quorum(&self, op: &Op, confirmed: usize, source: Option<redis::RedisError>) -> LockError {
+        LockError::NoQuorum {
+            name: op.name.as_str().to_owned(),
+            confirmed,
+            nodes: self.nodes.len(),
+            quorum: self.quorum,
+            source,
+        }
+    }
+
+    /// Releases on every node (the failed ones too), best effort.
+    async fn release_all(&self, op: &Op) {
+        let _ = self.fanout(op, |node| node.release(op)).await;
+    }
+
+    /// Decides a yes/no operation: yes with a quorum of yes, no when a quorum of yes is no longer
+    /// possible, and unavailable when errors leave it open.
+    fn decide(&self, op: &Op, mut fanout: Fanout<bool>) -> Result<bool, LockError> {
+        let yes = fanout
+            .results
+            .iter()
+            .filter(|r| matches!(r, Ok(true)))
+            .count();
+        let no = fanout
+            .results
+            .iter()
+            .filter(|r| matches!(r, Ok(false)))
+            .count();
+        if yes >= self.quorum {
+            Ok(true)
+        } else if no > self.nodes.len() - self.quorum {
+            Ok(false)
+        } else {
+            let source = fanout.last_error();
+            Err(self.no_quorum(op, yes, source))
+        }
+    }
+
+    async fn acquire_quorum(&self, op: &Op) -> Result<Attempt, LockError> {
+        let started = Instant::now();
+        let mut fanout = self.fanout(op, |node| node.acquire(op)).await;
+        let mut fences = Vec::new();
+        let mut held_ttl: Option<Duration> = None;
+        let mut tag = None;
+        let mut done = None;
+        for result in &fanout.results {
+            match result {
+                Ok(Attempt::Acquired { fence }) => fences.push(*fence),
+                Ok(Attempt::Held { ttl, tag: t }) => {
+                    if let Some(ttl) = ttl {
+                        held_ttl = Some(held_ttl.map_or(*ttl, |h: Duration| h.min(*ttl)));
+                    }
+                    if tag.is_none() {
+                        tag.clone_from(t);
+                    }
+                }
+                Ok(Attempt::Done { record }) => done = Some(record.clone()),
+                Err(_) => {}
+            }
+        }
+        if let Some(record) = done {
+            // A completion record on any node was written by a holder that had a quorum.
+            if !fences.is_empty() {
+                self.release_all(op).await;
+            }
+            return Ok(Attempt::Done { record });
+        }
+        if fences.len() >= self.quorum {
+            let fence = fences.iter().copied().max().expect("a quorum is not empty");
+            let synced = self
+                .fanout(op, |node| Box::pin(node.fence_sync(op, fence)))
+                .await;
+            let confirmed = synced
+                .results
+                .iter()
+                .filter(|r| matches!(r, Ok(true)))
+                .count();
+            let validity_left = started.elapsed() + op.drift < op.lease;
+            if confirmed >= self.quorum && validity_left {
+                return Ok(Attempt::Acquired { fence });
+            }
+            self.release_all(op).await;
+            let mut synced = synced;
+            let source = synced.last_error();
+            return Err(self.no_quorum(op, confirmed.min(fences.len()), source));
+        }
+        let acquired = fences.len();
+        if acquired > 0 || fanout.errors() > 0 {
+            self.release_all(op).await;
+        }
+        if fanout.errors() > self.nodes.len() - self.quorum {
+            let source = fanout.last_error();
+            return Err(self.no_quorum(op, acquired, source));
+        }
+        // Held elsewhere (or split between contenders): not ours this time.
+        Ok(Attempt::Held { ttl: held_ttl, tag })
+    }
+}
+
+impl<C: Conn> Backend for RedlockBackend<C> {
+    fn acquire<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        Box::pin(self.acquire_quorum(op))
+    }
+
+    fn extend<'a>(&'a self, op: &'a Op, lease: Duration) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            let fanout = self.fanout(op, |node| node.extend(op, lease)).await;
+            self.decide(op, fanout)
+        })
+    }
+
+    fn release<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            let fanout = self.fanout(op, |node| node.release(op)).await;
+            self.decide(op, fanout)
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        op: &'a Op,
+        record: &'a [u8],
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            let fanout = self.fanout(op, |node| node.complete(op, record)).await;
+            self.decide(op, fanout)
+        })
+    }
+
+    fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>> {
+        Box::pin(async move {
+            let results = join_all(self.nodes.iter().map(|n| n.prepare())).await;
+            let ok = results.iter().filter(|r| r.is_ok()).count();
+            if ok >= self.quorum {
+                return Ok(());
+            }
+            let source = results.into_iter().rev().find_map(|r| match r {
+                Err(LockError::Unavailable { source, .. } | LockError::Redis { source, .. }) => {
+                    Some(source)
+                }
+                _ => None,
+            });
+            Err(LockError::NoQuorum {
+                name: "(scripts)".into(),
+                confirmed: ok,
+                nodes: self.nodes.len(),
+                quorum: self.quorum,
+                source,
+            })
+        })
+    }
+
+    fn waiters(&self) -> &Arc<Waiters> {
+        &self.waiters
+    }
+
+    fn describe(&self) -> String {
+        self.describe.clone()
+    }
+}

@@ -1,0 +1,175 @@
+//! A connection that follows the master of a Sentinel-managed group across failovers.
+//!
+//! [`SentinelConnection`] asks the sentinels for the current master, keeps one multiplexed
+//! connection to it, and after a connection error, a `READONLY` answer (the old master was
+//! demoted) or `MASTERDOWN`, asks the sentinels again on the next command. The failed command
+//! itself is not retried: its outcome is unknown, and the lock treats it as such.
+//!
+//! **What a failover costs.** Replication is asynchronous: a lock (or a fencing counter, or a
+//! record) written on the old master shortly before it failed may not have reached the replica
+//! that is promoted. Then, after the failover, the lock is simply gone: another client can take
+//! it while the first holder still runs, and a fencing counter may start lower. The first
+//! holder's next renewal finds the lock gone and fires its loss signal
+//! ([`LossReason::NotOwner`](crate::LossReason::NotOwner)), so it learns within one renewal
+//! interval. [`LockClientBuilder::replicas`](crate::LockClientBuilder::replicas) narrows the
+//! window (`WAIT` for replicas after acquiring) without closing it: `WAIT` is not consensus.
+//! Use Redlock across independent masters when the lock must survive a master's loss.
+
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::sentinel::{SentinelClient, SentinelServerType};
+use redis::{Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, ServerErrorKind, Value};
+
+use crate::ConfigError;
+
+/// A `ConnectionLike` to the current master of a Sentinel-managed group. Cheap to clone; all
+/// clones share one connection. See the [module docs](self).
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), distlock::ConfigError> {
+/// let conn = distlock::sentinel::SentinelConnection::new(
+///     &["redis://127.0.0.1:26379/", "redis://127.0.0.1:26380/"],
+///     "mymaster",
+/// )?;
+/// let client = distlock::LockClient::builder().redis(conn);
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct SentinelConnection {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    sentinel: Arc<tokio::sync::Mutex<SentinelClient>>,
+    current: Mutex<Option<(u64, MultiplexedConnection)>>,
+    connecting: tokio::sync::Mutex<u64>,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for SentinelConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SentinelConnection").finish_non_exhaustive()
+    }
+}
+
+impl SentinelConnection {
+    /// A connection to the master named `service`, found through `sentinels`. Connects on first
+    /// use.
+    ///
+    /// # Errors
+    /// If a sentinel URL is invalid.
+    ///
+    /// ```
+    /// assert!(distlock::sentinel::SentinelConnection::new(&["not a url"], "m").is_err());
+    /// ```
+    pub fn new<S: AsRef<str>>(sentinels: &[S], service: &str) -> Result<Self, ConfigError> {
+        let urls: Vec<&str> = sentinels.iter().map(AsRef::as_ref).collect();
+        let client =
+            SentinelClient::build(urls, service.to_owned(), None, SentinelServerType::Master)
+                .map_err(|e| ConfigError::invalid("sentinel", e.to_string()))?;
+        Ok(SentinelConnection {
+            inner: Arc::new(Inner {
+                sentinel: Arc::new(tokio::sync::Mutex::new(client)),
+                current: Mutex::new(None),
+                connecting: tokio::sync::Mutex::new(0),
+                timeout: Duration::from_secs(2),
+            }),
+        })
+    }
+
+    /// The sentinel client, shared with the notification task.
+    pub(crate) fn sentinel(&self) -> Arc<tokio::sync::Mutex<SentinelClient>> {
+        self.inner.sentinel.clone()
+    }
+
+    fn current(&self) -> Option<(u64, MultiplexedConnection)> {
+        self.inner
+            .current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    async fn connection(&self) -> Result<(u64, MultiplexedConnection), RedisError> {
+        if let Some(current) = self.current() {
+            return Ok(current);
+        }
+        let mut generation = self.inner.connecting.lock().await;
+        if let Some(current) = self.current() {
+            return Ok(current);
+        }
+        let connect = async {
+            let client = self.inner.sentinel.lock().await.async_get_client().await?;
+            client.get_multiplexed_async_connection().await
+        };
+        let conn = match tokio::time::timeout(self.inner.timeout, connect).await {
+            Ok(result) => result?,
+            Err(_) => {
+                return Err(RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "no master through the sentinels in time",
+                )));
+            }
+        };
+        *generation += 1;
+        let current = (*generation, conn);
+        *self.inner.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(current.clone());
+        Ok(current)
+    }
+
+    /// Forgets the connection of `generation` after an error that means it no longer reaches
+    /// the master; the next command asks the sentinels again.
+    fn check(&self, generation: u64, error: &RedisError) {
+        let stale = error.is_io_error()
+            || error.is_connection_dropped()
+            || error.is_connection_refusal()
+            || error.is_timeout()
+            || matches!(
+                error.kind(),
+                ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
+            );
+        if stale {
+            let mut current = self.inner.current.lock().unwrap_or_else(|e| e.into_inner());
+            if current.as_ref().is_some_and(|(g, _)| *g == generation) {
+                *current = None;
+            }
+        }
+    }
+}
+
+impl ConnectionLike for SentinelConnection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        Box::pin(async move {
+            let (generation, mut conn) = self.connection().await?;
+            let result = conn.req_packed_command(cmd).await;
+            if let Err(e) = &result {
+                self.check(generation, e);
+            }
+            result
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        Box::pin(async move {
+            let (generation, mut conn) = self.connection().await?;
+            let result = conn.req_packed_commands(pipeline, offset, count).await;
+            if let Err(e) = &result {
+                self.check(generation, e);
+            }
+            result
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        0
+    }
+}
