@@ -1,7 +1,9 @@
-//! The layer's behavioural suite, run against the in-memory store and against a real Redis.
+//! The layer's behavioural suite, run against the in-memory store, a real Redis, a real Redis
+//! Cluster, and a Sentinel-managed master across a forced failover.
 
 mod support;
 
+use std::future::Future;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -9,8 +11,16 @@ use axum::http::{Request, StatusCode};
 use support::{Reply, TestStore, app, post_key, send};
 use tower_idempotency::{OnConflict, key};
 
-macro_rules! both {
+macro_rules! suite {
     ($($name:ident),* $(,)?) => {
+        /// Runs every scenario, one after the other, on stores made by `make`.
+        async fn run_all<F, Fut>(make: F)
+        where
+            F: Fn(&'static str) -> Fut,
+            Fut: Future<Output = TestStore>,
+        {
+            $( $name(make(stringify!($name)).await).await; )*
+        }
         mod memory {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -30,7 +40,7 @@ macro_rules! both {
     };
 }
 
-both!(
+suite!(
     a_retry_replays_the_stored_response_byte_for_byte,
     concurrent_duplicates_run_the_handler_once,
     waiting_duplicates_get_the_first_response,
@@ -464,4 +474,64 @@ async fn fencing_tokens_grow_across_attempts(s: TestStore) {
         last = fence;
     }
     assert_eq!(probe.runs(), 4);
+}
+
+/// The whole suite on a Redis Cluster (3 masters with a replica each).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_suite_on_a_redis_cluster() {
+    let cluster = testkit::RedisCluster::start(3, 1).await;
+    run_all(|name| TestStore::cluster(&cluster, name)).await;
+}
+
+/// The whole suite on a Sentinel-managed master, then a forced failover in the middle of a
+/// request, then the suite again on the new master. With the replica check covering every
+/// replica, a lease and a stored response survive the failover whichever replica is promoted:
+/// the request in flight completes on the new master (its completion is retried within the
+/// lease) and its retry is a replay. (Without it, or with fewer replicas acknowledging, a lease
+/// can be lost in a failover: see `distlock::sentinel`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_suite_on_sentinel_across_a_failover() {
+    let group = testkit::RedisSentinel::start(2).await;
+    run_all(|name| TestStore::sentinel(&group, name)).await;
+
+    let s = TestStore::sentinel(&group, "failover").await;
+    let (app, probe) = app(&s.store, |b| b);
+    let before = send(&app, post_key("/things", "stored-before", "{}")).await;
+    assert_eq!(before.status, StatusCode::CREATED);
+    probe.close();
+    let in_flight = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post_key("/things", "in-flight", "{}")).await }
+    });
+    while probe.runs() < 2 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    group.failover().await;
+    probe.open();
+    let finished = in_flight.await.unwrap();
+    assert_eq!(finished.status, StatusCode::CREATED);
+    // The same client follows the new master (after at most a few unavailable answers).
+    let mut replay = None;
+    for _ in 0..100 {
+        let r = send(&app, post_key("/things", "stored-before", "{}")).await;
+        if r.status != StatusCode::SERVICE_UNAVAILABLE {
+            replay = Some(r);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let replay = replay.expect("the layer reaches the new master");
+    assert!(
+        replay.replayed(),
+        "a response stored before the failover survives it"
+    );
+    assert_eq!(replay.body, before.body);
+    let retry = send(&app, post_key("/things", "in-flight", "{}")).await;
+    assert!(
+        retry.replayed(),
+        "the request in flight during the failover completed once"
+    );
+    assert_eq!(probe.runs(), 2);
+
+    run_all(|name| TestStore::sentinel(&group, name)).await;
 }

@@ -293,6 +293,46 @@ impl TestStore {
         }
     }
 
+    /// A store on a Redis Cluster, with a prefix of its own.
+    pub async fn cluster(cluster: &testkit::RedisCluster, test: &str) -> Self {
+        let client = LockClient::builder()
+            .prefix(&testkit::unique_prefix(test))
+            .unwrap()
+            .notifications(redis::Client::open(cluster.urls()[0].as_str()).unwrap())
+            .redis(cluster.connection().await);
+        client.prepare().await.expect("the cluster answers");
+        TestStore {
+            store: Store::from_client(client),
+            server: None,
+        }
+    }
+
+    /// A store on the master of a Sentinel group, with the replica check: every replica must
+    /// acknowledge acquisitions and completions.
+    pub async fn sentinel(group: &testkit::RedisSentinel, test: &str) -> Self {
+        let replicas = group.servers().len() - 1;
+        let client = LockClient::builder()
+            .prefix(&testkit::unique_prefix(test))
+            .unwrap()
+            .replicas(replicas, std::time::Duration::from_millis(500))
+            .unwrap()
+            .sentinel(&group.sentinel_urls(), testkit::SENTINEL_SERVICE)
+            .unwrap();
+        let mut ready = false;
+        for _ in 0..100 {
+            if client.prepare().await.is_ok() {
+                ready = true;
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        assert!(ready, "the sentinel group's master answers");
+        TestStore {
+            store: Store::from_client(client),
+            server: None,
+        }
+    }
+
     pub async fn redis(test: &str) -> Self {
         let server = RedisServer::start().await;
         let store = redis_store(&server.url(), &testkit::unique_prefix(test)).await;

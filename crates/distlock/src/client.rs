@@ -295,13 +295,16 @@ impl LockClientBuilder {
     /// (Single Redis, Sentinel) After acquiring, `WAIT` until `replicas` replicas acknowledged
     /// the lock, at most `timeout`; fewer in time counts as not acquired (the lock is released
     /// and [`LockError::NotReplicated`](crate::LockError::NotReplicated) returned), like
-    /// Redisson's replica check.
+    /// Redisson's replica check. Renewals and [`Once`] completions wait the same way; one that
+    /// too few replicas acknowledged counts as failed (the watchdog retries a renewal, a
+    /// completion is retried within the lease).
     ///
-    /// What it buys: a failover right after the acquisition no longer loses the lock when the
-    /// promoted replica is one that acknowledged it. What it does not: it is not consensus. The
-    /// lock can still be lost if a replica that did not acknowledge is promoted, and renewals
-    /// are not waited for. Not for Redis Cluster connections (`WAIT` would go to an arbitrary
-    /// node) or Redlock (which does not rely on replicas).
+    /// What it buys: a failover no longer loses the lock (or a stored record) when the promoted
+    /// replica is one that acknowledged it; with `replicas` equal to the number of replicas,
+    /// whichever is promoted has it. What it does not: it is not consensus. With fewer, the
+    /// lock can still be lost if a replica that did not acknowledge is promoted; and `WAIT`
+    /// costs a replication round trip per operation. Not for Redis Cluster connections (`WAIT`
+    /// would go to an arbitrary node) or Redlock (which does not rely on replicas).
     ///
     /// # Errors
     /// If `replicas` is zero or `timeout` is not below the command timeout.
@@ -477,8 +480,11 @@ impl LockClientBuilder {
         let client = redis::Client::open(url)
             .map_err(|e| ConfigError::invalid("url", format!("{url:?}: {e}")))?;
         let timeout = self.config.op_timeout();
+        // Our own per-command timeout applies; the manager's default of 500 ms would cut
+        // longer ones (WAIT, slow networks) short.
         let manager_config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
             .set_number_of_retries(2)
             .set_min_delay(Duration::from_millis(20))
             .set_max_delay(Duration::from_millis(500));

@@ -255,12 +255,15 @@ impl OnceGuard {
         self.guard.fence()
     }
 
-    /// Stores `record` and releases, atomically, only if the lock is still ours.
+    /// Stores `record` and releases, atomically, only if the lock is still ours. A transient
+    /// failure is retried while the lease can be proven held: a retry of a completion that did
+    /// happen is recognised as such.
     ///
     /// # Errors
     /// [`LockError::LeaseLost`] if the lock was not ours any more (nothing stored: another
     /// holder may be doing the work); [`LockError::Unavailable`] if the store could not be
-    /// reached (the guard is then released on drop; a record may or may not have been stored).
+    /// reached within the lease (the guard is then released on drop; a record may or may not
+    /// have been stored).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -272,27 +275,39 @@ impl OnceGuard {
     /// ```
     pub async fn complete(mut self, record: &[u8]) -> Result<(), LockError> {
         let config = self.guard.config().clone();
-        let stored = tokio::time::timeout(
-            config.op_timeout(),
-            self.guard.backend().complete(self.guard.op(), record),
-        )
-        .await;
         let name = self.guard.name().to_owned();
-        match stored {
-            Ok(Ok(true)) => {
-                self.guard.disarm();
-                Ok(())
+        let lease = self.guard.lease();
+        let mut backoff = crate::Backoff::new(config.retry_base(), config.retry_max());
+        loop {
+            let stored = tokio::time::timeout(
+                config.op_timeout(),
+                self.guard.backend().complete(self.guard.op(), record),
+            )
+            .await;
+            let error = match stored {
+                Ok(Ok(true)) => {
+                    self.guard.disarm();
+                    return Ok(());
+                }
+                Ok(Ok(false)) => {
+                    lease.shared().set_lost(LossReason::NotOwner);
+                    self.guard.disarm();
+                    return Err(LockError::LeaseLost {
+                        name,
+                        reason: LossReason::NotOwner,
+                    });
+                }
+                Ok(Err(error)) => error.into_ambiguous(),
+                Err(_) => LockError::timeout(&name, true, config.op_timeout()),
+            };
+            // The completion is idempotent (the store recognises our own earlier attempt), so
+            // a transient failure (a dropped connection, a failover) is retried while the
+            // lease can still be proven held.
+            if !(error.is_unavailable() && lease.is_held()) {
+                return Err(error);
             }
-            Ok(Ok(false)) => {
-                self.guard.lease().shared().set_lost(LossReason::NotOwner);
-                self.guard.disarm();
-                Err(LockError::LeaseLost {
-                    name,
-                    reason: LossReason::NotOwner,
-                })
-            }
-            Ok(Err(error)) => Err(error.into_ambiguous()),
-            Err(_) => Err(LockError::timeout(&name, true, config.op_timeout())),
+            tracing::debug!(lock = %name, %error, "completion failed; retrying within the lease");
+            tokio::time::sleep(backoff.next_delay()).await;
         }
     }
 

@@ -1,9 +1,10 @@
 //! A connection that follows the master of a Sentinel-managed group across failovers.
 //!
-//! [`SentinelConnection`] asks the sentinels for the current master, keeps one multiplexed
-//! connection to it, and after a connection error, a `READONLY` answer (the old master was
-//! demoted) or `MASTERDOWN`, asks the sentinels again on the next command. The failed command
-//! itself is not retried: its outcome is unknown, and the lock treats it as such.
+//! [`SentinelConnection`] asks the sentinels for the current master and keeps one multiplexed
+//! connection to it. It drops that connection when the sentinels announce `+switch-master`, and
+//! after a connection error, a `READONLY` answer (the old master was demoted) or `MASTERDOWN`;
+//! the next command asks the sentinels again. The failed command itself is not retried: its
+//! outcome is unknown, and the lock treats it as such.
 //!
 //! **What a failover costs.** Replication is asynchronous: a lock (or a fencing counter, or a
 //! record) written on the old master shortly before it failed may not have reached the replica
@@ -11,13 +12,17 @@
 //! it while the first holder still runs, and a fencing counter may start lower. The first
 //! holder's next renewal finds the lock gone and fires its loss signal
 //! ([`LossReason::NotOwner`](crate::LossReason::NotOwner)), so it learns within one renewal
-//! interval. [`LockClientBuilder::replicas`](crate::LockClientBuilder::replicas) narrows the
-//! window (`WAIT` for replicas after acquiring) without closing it: `WAIT` is not consensus.
-//! Use Redlock across independent masters when the lock must survive a master's loss.
+//! interval. An old master the sentinels could not reach may also keep accepting writes for a
+//! while (renewals nobody will see). [`LockClientBuilder::replicas`](crate::LockClientBuilder::replicas)
+//! closes much of this (`WAIT` for replicas after acquiring, renewing and completing: a write
+//! no replica saw counts as failed) without closing all of it: `WAIT` is not consensus. Use
+//! Redlock across independent masters when the lock must survive the loss of a master.
 
-use std::sync::Arc;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
+
+use futures_util::StreamExt;
 
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::sentinel::{SentinelClient, SentinelServerType};
@@ -45,9 +50,17 @@ pub struct SentinelConnection {
 
 struct Inner {
     sentinel: Arc<tokio::sync::Mutex<SentinelClient>>,
+    service: String,
     current: Mutex<Option<(u64, MultiplexedConnection)>>,
     connecting: tokio::sync::Mutex<u64>,
     timeout: Duration,
+    watching: AtomicBool,
+}
+
+impl Inner {
+    fn forget(&self) {
+        *self.current.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
 }
 
 impl std::fmt::Debug for SentinelConnection {
@@ -74,9 +87,11 @@ impl SentinelConnection {
         Ok(SentinelConnection {
             inner: Arc::new(Inner {
                 sentinel: Arc::new(tokio::sync::Mutex::new(client)),
+                service: service.to_owned(),
                 current: Mutex::new(None),
                 connecting: tokio::sync::Mutex::new(0),
                 timeout: Duration::from_secs(2),
+                watching: AtomicBool::new(false),
             }),
         })
     }
@@ -95,6 +110,9 @@ impl SentinelConnection {
     }
 
     async fn connection(&self) -> Result<(u64, MultiplexedConnection), RedisError> {
+        if !self.inner.watching.swap(true, Ordering::Relaxed) {
+            tokio::spawn(watch_switches(Arc::downgrade(&self.inner)));
+        }
         if let Some(current) = self.current() {
             return Ok(current);
         }
@@ -104,7 +122,11 @@ impl SentinelConnection {
         }
         let connect = async {
             let client = self.inner.sentinel.lock().await.async_get_client().await?;
-            client.get_multiplexed_async_connection().await
+            // The lock applies its own per-command timeout.
+            let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
+            client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await
         };
         let conn = match tokio::time::timeout(self.inner.timeout, connect).await {
             Ok(result) => result?,
@@ -138,6 +160,52 @@ impl SentinelConnection {
                 *current = None;
             }
         }
+    }
+}
+
+/// Follows the sentinels' `+switch-master` announcements: when our group's master changes, the
+/// connection to the old one is dropped at once, rather than at the first error (an old master
+/// that was not reachable by the sentinels may still accept writes nobody will see).
+async fn watch_switches(inner: Weak<Inner>) {
+    let mut backoff = crate::Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+    loop {
+        let Some(strong) = inner.upgrade() else {
+            return;
+        };
+        let sentinel = strong.sentinel.clone();
+        let service = strong.service.clone();
+        drop(strong);
+        let subscribed = async {
+            let client = sentinel.lock().await.async_get_sentinel_client().await?;
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.subscribe("+switch-master").await?;
+            redis::RedisResult::Ok(pubsub)
+        };
+        if let Ok(Ok(pubsub)) = tokio::time::timeout(Duration::from_secs(5), subscribed).await {
+            backoff.reset();
+            let mut messages = pubsub.into_on_message();
+            loop {
+                tokio::select! {
+                    message = messages.next() => match message {
+                        Some(message) => {
+                            let payload: String = message.get_payload().unwrap_or_default();
+                            if payload.split(' ').next() == Some(service.as_str()) {
+                                let Some(strong) = inner.upgrade() else { return };
+                                tracing::info!(%payload, "sentinel: master switched; reconnecting");
+                                strong.forget();
+                            }
+                        }
+                        None => break,
+                    },
+                    () = tokio::time::sleep(Duration::from_secs(1)) => {
+                        if inner.strong_count() == 0 {
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(backoff.next_delay()).await;
     }
 }
 

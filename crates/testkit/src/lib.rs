@@ -7,11 +7,15 @@
 //! * [`History`] and [`check`]: record critical sections (in memory or in a file shared by several
 //!   processes) and prove there was never more than one holder and fencing tokens only grew.
 
+mod cluster;
 mod history;
+mod sentinel;
 mod server;
 
+pub use cluster::RedisCluster;
 pub use history::{History, Open, Report, Section, check, now_ns};
-pub use server::{HarnessError, RedisServer, ServerOptions, free_port};
+pub use sentinel::{RedisSentinel, SERVICE as SENTINEL_SERVICE};
+pub use server::{HarnessError, RedisServer, ServerOptions, free_port, free_port_pair};
 
 /// A key prefix unique to one test run, so tests sharing a `REDIS_URL` server never collide.
 pub fn unique_prefix(test: &str) -> String {

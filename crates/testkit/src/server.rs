@@ -28,6 +28,7 @@ impl std::error::Error for HarnessError {}
 #[derive(Debug, Clone, Default)]
 pub struct ServerOptions {
     append_only: bool,
+    cluster: bool,
     extra: Vec<String>,
 }
 
@@ -37,6 +38,13 @@ impl ServerOptions {
     #[must_use]
     pub fn append_only(mut self, on: bool) -> Self {
         self.append_only = on;
+        self
+    }
+
+    /// A Redis Cluster node (on a port whose cluster bus port, +10000, is free too).
+    #[must_use]
+    pub fn cluster_node(mut self) -> Self {
+        self.cluster = true;
         self
     }
 
@@ -55,11 +63,19 @@ impl ServerOptions {
             String::new(),
             "--enable-debug-command".into(),
             "local".into(),
+            // Replicas sync at once instead of after the default 5 s gathering delay.
+            "--repl-diskless-sync-delay".into(),
+            "0".into(),
         ];
         if self.append_only {
             args.extend(["--appendonly", "yes", "--appendfsync", "always"].map(String::from));
         } else {
             args.extend(["--appendonly", "no"].map(String::from));
+        }
+        if self.cluster {
+            args.extend(
+                ["--cluster-enabled", "yes", "--cluster-node-timeout", "3000"].map(String::from),
+            );
         }
         args.extend(self.extra.iter().cloned());
         args
@@ -201,7 +217,11 @@ impl RedisServer {
         for _ in 0..5 {
             let dir = tempfile::tempdir()
                 .map_err(|e| HarnessError(format!("cannot create a temp dir: {e}")))?;
-            let port = free_port()?;
+            let port = if options.cluster {
+                free_port_pair()?
+            } else {
+                free_port()?
+            };
             let process = Process {
                 binary: binary.clone(),
                 dir,
@@ -427,6 +447,21 @@ fn find_binary() -> Option<PathBuf> {
         }
     }
     None
+}
+
+/// A loopback port `p` such that `p` and `p + 10000` (a cluster bus port) were free a moment ago.
+pub fn free_port_pair() -> Result<u16, HarnessError> {
+    let bindable = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();
+    let seed = crate::now_ns();
+    for i in 0..500u64 {
+        let port = 20_000 + ((seed / 1000 + i * 7919) % 35_000) as u16;
+        if bindable(port) && bindable(port + 10_000) {
+            return Ok(port);
+        }
+    }
+    Err(HarnessError(
+        "no free pair of loopback ports for a cluster node".into(),
+    ))
 }
 
 /// A loopback port that was free a moment ago.

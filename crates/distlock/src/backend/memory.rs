@@ -98,6 +98,8 @@ struct MemState {
     fence: u64,
     tag: Option<Bytes>,
     record: Option<Bytes>,
+    /// The token that stored the record (a retried completion is recognised).
+    completed_by: Option<String>,
     expires: Option<Instant>,
 }
 
@@ -406,7 +408,12 @@ impl MemoryBackend {
         store.sweep(now);
         let key = op.name.lock_key();
         if !store.live_lock(key, now).is_some_and(|l| Self::owns(l, op)) {
-            return Ok(false);
+            let mine = store
+                .states
+                .get(key)
+                .and_then(|s| s.completed_by.as_deref())
+                .is_some_and(|t| t == op.token.as_str());
+            return Ok(mine);
         }
         let state_key = key;
         let old = store.states.get(state_key).map_or(0, MemState::bytes);
@@ -419,6 +426,7 @@ impl MemoryBackend {
         }
         let state = store.state_mut(state_key);
         state.record = Some(Bytes::copy_from_slice(record));
+        state.completed_by = Some(op.token.as_str().to_owned());
         state.tag = None;
         let new = state.bytes();
         store.bytes = store.bytes + new - old;
@@ -593,6 +601,11 @@ mod tests {
         }
         assert!(!b.complete_now(&c, b"x").unwrap());
         assert!(b.complete_now(&a, b"record").unwrap());
+        assert!(
+            b.complete_now(&a, b"record").unwrap(),
+            "a retried completion is recognised"
+        );
+        assert!(!b.complete_now(&c, b"x").unwrap());
         assert_eq!(
             b.acquire_now(&c).unwrap(),
             Attempt::Done {

@@ -54,13 +54,15 @@ impl<C: Conn> RedisBackend<C> {
         self
     }
 
-    /// `WAIT`s for the replicas after an acquisition; releases and refuses it if too few
-    /// acknowledge in time.
+    /// `WAIT`s for the replicas after an acquisition, renewal or completion. An acquisition too
+    /// few acknowledge in time is released and refused; a renewal or completion is reported as
+    /// not replicated (the watchdog retries a renewal; a completion is retried within the lease).
     async fn check_replicas(
         &self,
         op: &Op,
         wanted: usize,
         timeout: Duration,
+        release: bool,
     ) -> Result<(), LockError> {
         let mut conn = self.conn.clone();
         let acknowledged: i64 = redis::cmd("WAIT")
@@ -73,7 +75,9 @@ impl<C: Conn> RedisBackend<C> {
         if acknowledged >= wanted {
             return Ok(());
         }
-        let _ = self.release(op).await;
+        if release {
+            let _ = self.release(op).await;
+        }
         Err(LockError::NotReplicated {
             name: op.name.as_str().to_owned(),
             acknowledged,
@@ -219,7 +223,7 @@ impl<C: Conn> Backend for RedisBackend<C> {
             let reply = self.eval(op, true, inv).await?;
             let attempt = parse_attempt(op.name.as_str(), reply)?;
             if let (Attempt::Acquired { .. }, Some((wanted, timeout))) = (&attempt, self.replicas) {
-                self.check_replicas(op, wanted, timeout).await?;
+                self.check_replicas(op, wanted, timeout, true).await?;
             }
             Ok(attempt)
         })
@@ -249,7 +253,12 @@ impl<C: Conn> Backend for RedisBackend<C> {
                 }
             };
             let reply = self.eval(op, false, inv).await?;
-            parse_flag(op.name.as_str(), "extend", reply)
+            let renewed = parse_flag(op.name.as_str(), "extend", reply)?;
+            if let (true, Some((wanted, timeout))) = (renewed, self.replicas) {
+                // A renewal only the master knows of is worth nothing after a failover.
+                self.check_replicas(op, wanted, timeout, false).await?;
+            }
+            Ok(renewed)
         })
     }
 
@@ -287,7 +296,11 @@ impl<C: Conn> Backend for RedisBackend<C> {
                 .arg(record)
                 .arg(op.state_ttl_ms());
             let reply = self.eval(op, true, inv).await?;
-            parse_flag(op.name.as_str(), "complete", reply)
+            let stored = parse_flag(op.name.as_str(), "complete", reply)?;
+            if let (true, Some((wanted, timeout))) = (stored, self.replicas) {
+                self.check_replicas(op, wanted, timeout, false).await?;
+            }
+            Ok(stored)
         })
     }
 

@@ -1,0 +1,358 @@
+//! Redlock against real independent redis-server masters: quorum, rollback of partial
+//! acquisitions, exclusion and fencing while nodes are stopped, paused and restarted, and the
+//! restart rule shown both ways.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use distlock::{LockClient, LockConfig, LockError, LossReason};
+use redis::AsyncCommands;
+use testkit::{History, RedisServer, ServerOptions};
+
+fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
+}
+
+async fn nodes(n: usize, persistent: bool) -> Vec<RedisServer> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        out.push(RedisServer::start_with(ServerOptions::default().append_only(persistent)).await);
+    }
+    out
+}
+
+fn urls(nodes: &[RedisServer]) -> Vec<String> {
+    nodes.iter().map(RedisServer::url).collect()
+}
+
+async fn redlock(nodes: &[RedisServer], prefix: &str, config: LockConfig) -> LockClient {
+    let client = LockClient::builder()
+        .config(config)
+        .prefix(prefix)
+        .unwrap()
+        .node_timeout(ms(100))
+        .connect_redlock(&urls(nodes))
+        .unwrap();
+    // Scripts loaded on every live node (a quorum suffices).
+    let _ = client.prepare().await;
+    client
+}
+
+fn config(lease: u64) -> LockConfig {
+    LockConfig::builder()
+        .lease(ms(lease))
+        .op_timeout(ms(lease / 3))
+        .build()
+        .unwrap()
+}
+
+/// One attempt, repeated while the store is unavailable: connections to a node that was
+/// restarted fail once before they reconnect.
+async fn try_acquire(lock: &distlock::Lock) -> Result<distlock::LockGuard, LockError> {
+    let mut last = None;
+    for _ in 0..40 {
+        match lock.try_acquire().await {
+            Err(e) if e.is_unavailable() => last = Some(e),
+            other => return other,
+        }
+        tokio::time::sleep(ms(50)).await;
+    }
+    Err(last.expect("tried"))
+}
+
+/// Waits for the lock, retrying while the store is unavailable.
+async fn acquire(lock: &distlock::Lock, wait: Duration) -> distlock::LockGuard {
+    for _ in 0..40 {
+        match lock.acquire(wait).await {
+            Ok(g) => return g,
+            Err(e) if e.is_unavailable() => tokio::time::sleep(ms(50)).await,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    panic!("no quorum after 40 attempts");
+}
+
+async fn lock_value(node: &RedisServer, key: &str) -> Option<String> {
+    let mut c = node.connection().await;
+    c.get(key).await.unwrap()
+}
+
+/// A foreign holder on two of three nodes: the third node's acquisition is rolled back. With
+/// two nodes down, the attempt reports that no quorum can be had, and rolls back too.
+#[tokio::test]
+async fn partial_acquisitions_are_rolled_back() {
+    let n = nodes(3, false).await;
+    let prefix = testkit::unique_prefix("rl-partial");
+    let client = redlock(&n, &prefix, config(5_000)).await;
+    let lock = client.lock("k").unwrap();
+    let key = lock.name().lock_key().to_owned();
+    for node in &n[..2] {
+        let mut c = node.connection().await;
+        let _: () = c.set(&key, "someone-else").await.unwrap();
+    }
+    assert!(matches!(
+        lock.try_acquire().await,
+        Err(LockError::Held { .. })
+    ));
+    assert_eq!(
+        lock_value(&n[2], &key).await,
+        None,
+        "rolled back on the node it got"
+    );
+
+    for node in &n[..2] {
+        let mut c = node.connection().await;
+        let _: () = c.del(&key).await.unwrap();
+    }
+    n[0].stop().await;
+    n[1].stop().await;
+    match lock.try_acquire().await {
+        Err(e @ LockError::NoQuorum { .. }) => assert!(e.is_unavailable()),
+        other => panic!("expected NoQuorum, got {other:?}"),
+    }
+    assert_eq!(
+        lock_value(&n[2], &key).await,
+        None,
+        "rolled back without a quorum"
+    );
+}
+
+/// A node too slow to answer within the node timeout may run the acquisition later: the
+/// rollback is sent to it as well, and runs after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_node_is_rolled_back_too() {
+    let n = nodes(3, false).await;
+    let prefix = testkit::unique_prefix("rl-late");
+    let client = redlock(&n, &prefix, config(5_000)).await;
+    let lock = client.lock("k").unwrap();
+    let key = lock.name().lock_key().to_owned();
+    let mut c1 = n[1].connection().await;
+    let _: () = c1.set(&key, "someone-else").await.unwrap();
+    let mut slow = n[0].connection().await;
+    let sleeper = tokio::spawn(async move {
+        let _: () = redis::cmd("DEBUG")
+            .arg("SLEEP")
+            .arg(0.4)
+            .query_async(&mut slow)
+            .await
+            .unwrap();
+    });
+    tokio::time::sleep(ms(50)).await;
+    assert!(lock.try_acquire().await.is_err());
+    sleeper.await.unwrap();
+    for _ in 0..50 {
+        if lock_value(&n[0], &key).await.is_none() && lock_value(&n[2], &key).await.is_none() {
+            return;
+        }
+        tokio::time::sleep(ms(20)).await;
+    }
+    panic!("the late node kept a lock nobody holds");
+}
+
+/// One node down or frozen: acquisition, renewal and release still work with the majority.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_majority_keeps_working_while_one_node_is_down_or_frozen() {
+    let n = nodes(3, false).await;
+    let prefix = testkit::unique_prefix("rl-minority");
+    let client = redlock(&n, &prefix, config(900)).await;
+    let lock = client.lock("k").unwrap();
+    n[0].stop().await;
+    let guard = lock.try_acquire().await.unwrap();
+    n[1].pause().await;
+    // Nodes 0 and 1 are unavailable now: no quorum for renewals, so the lease is lost...
+    let lost = tokio::time::timeout(Duration::from_secs(5), guard.lost()).await;
+    n[1].resume().await;
+    assert_eq!(
+        lost.ok(),
+        Some(LossReason::Expired),
+        "two of three nodes gone: the lease cannot be renewed"
+    );
+    drop(guard);
+    // ...while with one node down, renewals by the majority keep it.
+    let guard = acquire(&lock, Duration::from_secs(10)).await;
+    assert!(
+        tokio::time::timeout(ms(2000), guard.lost()).await.is_err(),
+        "renewed by the majority"
+    );
+    assert!(guard.release().await.unwrap());
+}
+
+/// Many contenders on 3 and on 5 masters while nodes are stopped and restarted (with AOF
+/// `appendfsync always`) and frozen with SIGSTOP: one holder at a time, fences increasing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exclusion_with_three_masters_under_faults() {
+    exclusion_under_faults(3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exclusion_with_five_masters_under_faults() {
+    exclusion_under_faults(5).await;
+}
+
+async fn exclusion_under_faults(count: usize) {
+    let n = Arc::new(nodes(count, true).await);
+    let prefix = testkit::unique_prefix(&format!("rl-faults-{count}"));
+    let history = Arc::new(History::new());
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for c in 0..3 {
+        let client = redlock(&n, &prefix, config(2_000)).await;
+        for t in 0..3 {
+            let lock = client.lock("shared").unwrap();
+            let history = history.clone();
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..12 {
+                    let guard = loop {
+                        match lock.acquire(Duration::from_secs(30)).await {
+                            Ok(g) => break g,
+                            // A fault can leave no quorum for a moment: try again.
+                            Err(e) if e.is_unavailable() => tokio::time::sleep(ms(20)).await,
+                            Err(e) => panic!("{e}"),
+                        }
+                    };
+                    let section = history.enter(format!("c{c}t{t}"), guard.fence());
+                    tokio::time::sleep(ms(2)).await;
+                    section.leave();
+                    let _ = guard.release().await;
+                }
+            }));
+        }
+    }
+    let faults = tokio::spawn({
+        let n = n.clone();
+        let stop = stop.clone();
+        async move {
+            let mut round = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let victim = &n[round % n.len()];
+                if round % 2 == 0 {
+                    victim.stop().await;
+                    tokio::time::sleep(ms(150)).await;
+                    victim.restart().await;
+                } else {
+                    victim.pause().await;
+                    tokio::time::sleep(ms(150)).await;
+                    victim.resume().await;
+                }
+                tokio::time::sleep(ms(100)).await;
+                round += 1;
+            }
+            round
+        }
+    });
+    for t in tasks {
+        t.await.unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let rounds = faults.await.unwrap();
+    assert!(rounds >= 1, "faults were injected while the contenders ran");
+    let report = testkit::check(&history.sections()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(report.sections, 108);
+}
+
+/// Fencing tokens stay strictly increasing while random subsets of up to two of five masters
+/// are stopped (and restarted with their data) or frozen between acquisitions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fences_increase_with_random_node_subsets_failing() {
+    let n = nodes(5, true).await;
+    let prefix = testkit::unique_prefix("rl-fence");
+    let client = redlock(&n, &prefix, config(2_000)).await;
+    let lock = client.lock("f").unwrap();
+    let mut rng = fastrand::Rng::with_seed(0x5eed);
+    let mut last = 0;
+    for _ in 0..12 {
+        let mut down: Vec<usize> = (0..5).collect();
+        rng.shuffle(&mut down);
+        down.truncate(rng.usize(0..=2));
+        let freeze = rng.bool();
+        for &i in &down {
+            if freeze {
+                n[i].pause().await;
+            } else {
+                n[i].stop().await;
+            }
+        }
+        let guard = acquire(&lock, Duration::from_secs(10)).await;
+        assert!(
+            guard.fence() > last,
+            "fence {} after {last} (down: {down:?})",
+            guard.fence()
+        );
+        last = guard.fence();
+        let _ = guard.release().await;
+        for &i in &down {
+            if freeze {
+                n[i].resume().await;
+            } else {
+                n[i].restart().await;
+            }
+        }
+    }
+}
+
+/// The restart rule. A holds the lock on nodes 0 and 1 (node 2 is down). Node 1 crashes.
+/// * Restarted at once without persistence, it has forgotten A's lock: B gets a quorum of
+///   nodes 1 and 2 while A still holds the lock. Two holders: the failure.
+/// * Restarted with AOF `appendfsync always`, it still has A's lock: B cannot get a quorum.
+/// * Restarted only after the longest lease has passed (the delayed restart): A could not renew
+///   without a quorum, its loss signal fired, its lease ended, and only then does B take the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_restart_rule_both_ways() {
+    async fn setup(
+        persistent: bool,
+    ) -> (
+        Vec<RedisServer>,
+        LockClient,
+        LockClient,
+        distlock::LockGuard,
+    ) {
+        let n = nodes(3, persistent).await;
+        let prefix = testkit::unique_prefix("rl-restart");
+        let a = redlock(&n, &prefix, config(1_500)).await;
+        let b = redlock(&n, &prefix, config(1_500)).await;
+        n[2].stop().await;
+        let guard = a.lock("r").unwrap().try_acquire().await.unwrap();
+        n[1].stop().await;
+        (n, a, b, guard)
+    }
+
+    // Without persistence and restarted at once: two holders.
+    let (n, _a, b, guard_a) = setup(false).await;
+    n[1].restart().await;
+    n[2].restart().await;
+    let guard_b = try_acquire(&b.lock("r").unwrap())
+        .await
+        .expect("B gets a quorum of forgetful nodes");
+    assert!(
+        guard_a.is_held(),
+        "A's lease has not ended: two holders at once"
+    );
+    drop((guard_a, guard_b));
+
+    // With AOF fsync always: the restarted node remembers A's lock.
+    let (n, _a, b, guard_a) = setup(true).await;
+    n[1].restart().await;
+    n[2].restart().await;
+    assert!(matches!(
+        try_acquire(&b.lock("r").unwrap()).await,
+        Err(LockError::Held { .. })
+    ));
+    assert!(guard_a.is_held());
+    drop(guard_a);
+
+    // Delayed restart (no persistence): node 1 stays down longer than the lease.
+    let (n, _a, b, guard_a) = setup(false).await;
+    let reason = tokio::time::timeout(Duration::from_secs(10), guard_a.lost())
+        .await
+        .expect("A cannot renew without a quorum");
+    assert_eq!(reason, LossReason::Expired);
+    tokio::time::sleep(ms(1_600)).await; // past the longest lease
+    n[1].restart().await;
+    n[2].restart().await;
+    let guard_b = acquire(&b.lock("r").unwrap(), Duration::from_secs(10)).await;
+    assert!(
+        !guard_a.is_held(),
+        "A knew it had lost the lock before B took it"
+    );
+    assert!(guard_b.is_held());
+}
