@@ -407,3 +407,47 @@ fn append(path: &Path, line: &str) {
         .unwrap();
     f.write_all(line.as_bytes()).unwrap();
 }
+
+/// Several `--redis`: Redlock across independent masters. It works with a majority up, and
+/// exits 69 when no quorum can be reached.
+#[tokio::test]
+async fn several_redis_urls_use_redlock() {
+    let nodes = RedisServer::start_many(3).await;
+    let prefix = testkit::unique_prefix("cli-redlock");
+    let redlock = |extra: &[&str], cmd: &[&str]| {
+        let mut c = Command::new(BIN);
+        c.arg("run");
+        for n in &nodes {
+            c.args(["--redis", &n.url()]);
+        }
+        c.args(["--prefix", &prefix, "--key", "job"])
+            .args(extra)
+            .arg("--")
+            .args(cmd)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    };
+    let out = run(redlock(&[], &["sh", "-c", "echo $DISTLOCK_FENCE"])).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let first: u64 = out.stdout.trim().parse().unwrap();
+    // The lock exists on every master while CMD runs, and is released on all of them after.
+    let dir = tempfile::tempdir().unwrap();
+    let probe = format!("touch {}/ran", dir.path().display());
+    let mut check = nodes[0].connection().await;
+    let out = run(redlock(&[], &["sh", "-c", &probe])).await;
+    assert_eq!(out.code, 0);
+    assert!(dir.path().join("ran").exists());
+    let left: Vec<String> = check.keys(format!("{prefix}:{{job}}")).await.unwrap();
+    assert!(left.is_empty(), "released on every master: {left:?}");
+
+    nodes[0].stop().await;
+    let out = run(redlock(&[], &["sh", "-c", "echo $DISTLOCK_FENCE"])).await;
+    assert_eq!(out.code, 0, "a majority is enough: {}", out.stderr);
+    let later: u64 = out.stdout.trim().parse().unwrap();
+    assert!(later > first, "fences keep growing with a master down");
+
+    nodes[1].stop().await;
+    let out = run(redlock(&[], &["true"])).await;
+    assert_eq!(out.code, 69, "no quorum: {}", out.stderr);
+}

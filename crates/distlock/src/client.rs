@@ -186,7 +186,7 @@ impl LockClient {
     /// happens on first use.
     ///
     /// # Errors
-    /// [`LockError::Unavailable`] if the store cannot be reached.
+    /// [`LockError::Unavailable`](crate::LockError::Unavailable) if the store cannot be reached.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]

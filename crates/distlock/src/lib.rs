@@ -50,8 +50,9 @@
 //! * **One Redis is one point of failure.** If the master fails over before the lock key reached
 //!   the replica (replication is asynchronous), the new master does not have the lock and a second
 //!   client can take it (article 001). A Redis restarted without persistence forgets every lock
-//!   the same way. Fencing tokens survive neither. Use Redlock over independent masters, or make
-//!   the protected resource check fencing tokens, when that matters.
+//!   the same way. Fencing tokens survive neither. Use [Redlock](#redlock) over independent
+//!   masters, the [replica check](LockClientBuilder::replicas) on a Sentinel group, or make the
+//!   protected resource check fencing tokens, when that matters.
 //! * **A lease is time.** A holder paused longer than its lease (GC, SIGSTOP, a stalled
 //!   runtime) can still be running when someone else holds the lock. The loss signal tells the
 //!   holder as soon as its clock allows; the fencing token lets the resource reject its late
@@ -63,8 +64,56 @@
 //!
 //! # Stores
 //!
-//! [`LockClient::memory`] runs the same operations in process memory, with the same semantics
-//! (lease expiry, fencing, notifications), bounded by [`MemoryLimits`]: for one process and tests.
+//! One API over every store: code written against [`LockClient`] runs unchanged on each.
+//!
+//! * **One Redis**: [`LockClientBuilder::connect`] or [`LockClientBuilder::redis`] with any
+//!   `redis::aio::ConnectionLike + Clone` (multiplexed, `ConnectionManager`, cluster).
+//! * **Redis Cluster**: [`LockClientBuilder::redis`] with a `redis::cluster_async::ClusterConnection`.
+//!   Every script touches the keys of one lock only, and they share the hash tag `{name}`, so
+//!   each script runs on the master owning that slot; MOVED and ASK are the cluster client's
+//!   business. Release announcements are published from scripts and reach a subscriber on any
+//!   node ([`notifications`](LockClientBuilder::notifications) with a client for one node).
+//! * **Sentinel**: [`LockClientBuilder::sentinel`] follows the master across failovers; see
+//!   [`sentinel`] for what a failover costs, and [`LockClientBuilder::replicas`] for the
+//!   `WAIT` replica check.
+//! * **Redlock** (N independent masters): see below.
+//! * **Memory**: [`LockClient::memory`] runs the same operations in process memory, with the
+//!   same semantics (lease expiry, fencing, notifications), bounded by [`MemoryLimits`]: for
+//!   one process and tests.
+//!
+//! # Redlock
+//!
+//! [`LockClientBuilder::connect_redlock`] (or [`redlock`](LockClientBuilder::redlock) with your
+//! own connections) holds one lock across N independent Redis masters, as the Redis
+//! documentation describes it (article 001):
+//!
+//! * The same key and token go to all N masters **concurrently**, each with a timeout small
+//!   against the lease ([`node_timeout`](LockClientBuilder::node_timeout)). The lock is held when
+//!   a quorum (N/2 + 1) took it and validity remains: `lease - elapsed - drift`, drift = 1% of
+//!   the lease + 2 ms, measured with `Instant`. Otherwise it is released on **all** masters,
+//!   including those that seemed to fail (their command may run after its timeout), and waiting
+//!   retries after a random (jittered) delay.
+//! * Renewal and completion count only when a quorum confirms; the watchdog measures validity
+//!   from when the renewal was sent, so the loss signal fires on time even if confirmations
+//!   come late.
+//! * **Fencing tokens**: each master's acquisition draws its counter + 1; the fence is the
+//!   largest, written back to every master of the quorum while the lock is held there; the
+//!   acquisition fails unless a quorum confirms the write-back. Why the next holder's fence is
+//!   greater: the previous holder's write-back reached a quorum W while it held the lock on those
+//!   masters; the next holder's quorum Q can only take a master after that lock is gone there,
+//!   so after the write-back; W and Q intersect (two majorities do), and on a master in the
+//!   intersection the next counter starts at the previous fence or above. This needs the masters
+//!   in those intersections to keep their data: with `appendfsync always` on every master,
+//!   tokens never repeat. A master that restarts empty keeps the lock safe under the restart rule
+//!   below, but if it is the only master two successive quorums share, a token can repeat once.
+//!   (No majority-quorum scheme can do better: tolerating the loss of a node's data needs
+//!   quorums that overlap in two nodes.)
+//! * **Restart rule**: a master that crashes and comes back without the keys it had can hand a
+//!   second client a quorum while the first still holds the lock (the test suite shows it
+//!   happening). Restart crashed masters only after the longest lease has passed, or run them
+//!   with AOF and `appendfsync always` (the test suite shows both keeping the lock safe).
+//! * A **quorum of masters unreachable** is [`LockError::NoQuorum`] (unavailable), distinct from
+//!   [`LockError::Held`].
 
 mod backend;
 mod backoff;
