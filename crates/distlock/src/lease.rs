@@ -162,6 +162,22 @@ impl LeaseWatch {
             .filter(|d| !d.is_zero())
     }
 
+    /// The end of the lease as last proven: `sent + lease - drift` of the last confirmed
+    /// acquisition or renewal (later renewals move it). Past it the lease is not held, whatever
+    /// the watchdog has or has not noticed; a loss for another reason ([`LossReason::NotOwner`],
+    /// [`LossReason::Released`]) can end the lease earlier.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// let guard = distlock::LockClient::memory().lock("job")?.try_acquire().await?;
+    /// assert!(guard.lease().valid_until() > std::time::Instant::now());
+    /// # Ok(()) }
+    /// ```
+    pub fn valid_until(&self) -> Instant {
+        self.shared.valid_until()
+    }
+
     /// Why the lease was lost, if it was.
     ///
     /// ```

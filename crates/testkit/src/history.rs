@@ -15,6 +15,16 @@ pub fn now_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// An `Instant` of this process on the [`now_ns`] scale.
+pub fn instant_ns(at: std::time::Instant) -> u64 {
+    let (now, now_ns) = (std::time::Instant::now(), now_ns());
+    if at <= now {
+        now_ns.saturating_sub((now - at).as_nanos() as u64)
+    } else {
+        now_ns + (at - now).as_nanos() as u64
+    }
+}
+
 /// One critical section.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Section {
@@ -49,11 +59,18 @@ pub struct Open<'a> {
 impl Open<'_> {
     /// Records the section as left now.
     pub fn leave(self) -> Section {
+        let now = now_ns();
+        self.leave_at(now)
+    }
+
+    /// Records the section as ending at `leave` ([`now_ns`] scale), e.g. when the holder's
+    /// lease could no longer be proven held, if that came before it left.
+    pub fn leave_at(self, leave: u64) -> Section {
         let section = Section {
             holder: self.holder,
             fence: self.fence,
             enter: self.enter,
-            leave: now_ns(),
+            leave: leave.max(self.enter),
         };
         self.history.record(section.clone());
         section

@@ -8,12 +8,14 @@
 //!   processes) and prove there was never more than one holder and fencing tokens only grew.
 
 mod cluster;
+mod fenced;
 mod history;
 mod sentinel;
 mod server;
 
 pub use cluster::RedisCluster;
-pub use history::{History, Open, Report, Section, check, now_ns};
+pub use fenced::{FENCED_WRITE_LUA, FencedResource};
+pub use history::{History, Open, Report, Section, check, instant_ns, now_ns};
 pub use sentinel::{RedisSentinel, SERVICE as SENTINEL_SERVICE};
 pub use server::{HarnessError, RedisServer, ServerOptions, free_port, free_port_pair};
 

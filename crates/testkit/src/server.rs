@@ -324,10 +324,12 @@ impl RedisServer {
         redis::Client::open(self.url()).expect("the harness builds valid URLs")
     }
 
-    /// A multiplexed connection (panics if the server does not answer).
+    /// A multiplexed connection without a response timeout, for test administration such as
+    /// `DEBUG SLEEP` (panics if the server does not answer).
     pub async fn connection(&self) -> redis::aio::MultiplexedConnection {
+        let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
         self.client()
-            .get_multiplexed_async_connection()
+            .get_multiplexed_async_connection_with_config(&config)
             .await
             .unwrap_or_else(|e| panic!("cannot connect to {}: {e}", self.url()))
     }
