@@ -451,3 +451,61 @@ async fn several_redis_urls_use_redlock() {
     let out = run(redlock(&[], &["true"])).await;
     assert_eq!(out.code, 69, "no quorum: {}", out.stderr);
 }
+
+/// Kleppmann's scenario across processes: a `distlock run` holder is frozen (SIGSTOP) past its
+/// lease; another process takes the lock and writes to a fenced resource (a Redis hash guarded
+/// by a script); when the first one's command finally writes, its stale fence is refused, and
+/// the first distlock, resumed, reports the lost lease (76).
+#[tokio::test]
+async fn a_frozen_holders_late_write_is_fenced_off() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("cli-kleppmann");
+    let dir = tempfile::tempdir().unwrap();
+    let resource = format!("{prefix}:resource");
+    let write = |who: &str| {
+        format!(
+            "redis-cli -p {port} EVAL \"$LUA\" 1 {resource} \"$DISTLOCK_FENCE\" {who}",
+            port = server.port()
+        )
+    };
+    let slow = format!(
+        "trap '' TERM; touch \"$D/started\"; while [ ! -e \"$D/go\" ]; do sleep 0.02; done; {} > \"$D/a\"",
+        write("A")
+    );
+    let mut a = distlock(
+        &server,
+        &prefix,
+        "res",
+        &["--lease", "600ms"],
+        &["sh", "-c", &slow],
+    );
+    a.env("D", dir.path()).env("LUA", testkit::FENCED_WRITE_LUA);
+    let a = a.spawn().unwrap();
+    wait_for_file(&dir.path().join("started")).await;
+    let pid = rustix::process::Pid::from_raw(a.id().unwrap() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::STOP).unwrap();
+
+    // Meanwhile another process takes the expired lock and writes.
+    let mut b = distlock(
+        &server,
+        &prefix,
+        "res",
+        &["--wait", "10s"],
+        &["sh", "-c", &write("B")],
+    );
+    b.env("LUA", testkit::FENCED_WRITE_LUA);
+    let b = run(b).await;
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    assert_eq!(b.stdout.trim(), "1", "B's write is accepted");
+
+    // A resumes and makes its late write.
+    std::fs::write(dir.path().join("go"), "").unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::CONT).unwrap();
+    let a = finish(a).await;
+    assert_eq!(a.code, 76, "A reports the lost lease: {}", a.stderr);
+    let a_result = std::fs::read_to_string(dir.path().join("a")).unwrap();
+    assert_eq!(a_result.trim(), "0", "A's stale write is refused");
+    let mut r = server.connection().await;
+    let value: String = r.hget(&resource, "v").await.unwrap();
+    assert_eq!(value, "B");
+}
