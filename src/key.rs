@@ -66,6 +66,23 @@ where
     }
 }
 
+/// A boxed source, for choosing the source at run time.
+///
+/// ```
+/// use tower_idempotency::{KeySource, key};
+/// let from_config: Box<dyn KeySource> = if true { Box::new(key::header()) } else { Box::new(key::query("k")) };
+/// let layer = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory()).key(from_config);
+/// ```
+impl KeySource for Box<dyn KeySource> {
+    fn extract(&self, parts: &Parts, body: &Bytes) -> Result<Option<String>, Rejection> {
+        (**self).extract(parts, body)
+    }
+
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+}
+
 /// Combinators for key sources.
 pub trait KeySourceExt: KeySource + Sized {
     /// Tries `self`, then `other` when `self` has no key.

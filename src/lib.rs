@@ -78,3 +78,18 @@ pub use problem::Rejection;
 pub use replay::IDEMPOTENT_REPLAYED;
 pub use service::Idempotency;
 pub use store::{DEFAULT_PREFIX, Store};
+
+/// Entry points for the fuzz targets in `fuzz/`: not a stable API.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    /// Decodes a stored record; must never panic, whatever the bytes.
+    pub fn decode_record(bytes: &[u8]) -> Result<(), String> {
+        crate::record::Record::decode(&bytes::Bytes::copy_from_slice(bytes)).map(|_| ())
+    }
+
+    /// The fingerprint of a request's parts and body.
+    pub fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> [u8; 32] {
+        crate::fingerprint::fingerprint(parts, &[http::header::CONTENT_TYPE], body)
+    }
+}

@@ -25,7 +25,7 @@ fn router(store: &Store, runs: Arc<AtomicUsize>) -> Router {
     };
     let with = |k: Box<dyn tower_idempotency::KeySource>| {
         IdempotencyLayer::builder(store.clone())
-            .key(BoxedKey(k))
+            .key(k)
             .body_limit(1024)
             .read_timeout(Duration::from_millis(300))
             .build()
@@ -45,23 +45,6 @@ fn router(store: &Store, runs: Arc<AtomicUsize>) -> Router {
             post(handler.clone()).layer(with(Box::new(key::form("email")))),
         )
         .route("/q", post(handler).layer(with(Box::new(key::query("txn")))))
-}
-
-/// A boxed key source (the builder takes any `KeySource`).
-struct BoxedKey(Box<dyn tower_idempotency::KeySource>);
-
-impl tower_idempotency::KeySource for BoxedKey {
-    fn extract(
-        &self,
-        parts: &http::request::Parts,
-        body: &Bytes,
-    ) -> Result<Option<String>, tower_idempotency::Rejection> {
-        self.0.extract(parts, body)
-    }
-
-    fn describe(&self) -> String {
-        self.0.describe()
-    }
 }
 
 fn header(values: &[&[u8]], body: Body) -> Request<Body> {
