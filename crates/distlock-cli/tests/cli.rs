@@ -208,7 +208,9 @@ async fn help_lists_the_exit_codes() {
     }
 }
 
-const TRAP: &str = "trap 'echo term > \"$D/term\"; exit 0' TERM; touch \"$D/started\"; while :; do sleep 0.05; done";
+/// A command that reports SIGTERM and otherwise runs for at most 30 s (so that a failed test
+/// never leaves it behind for long).
+const TRAP: &str = "trap 'echo term > \"$D/term\"; exit 0' TERM; touch \"$D/started\"; i=0; while [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done";
 
 /// The lease is lost while CMD runs (the lock is deleted behind its back): CMD gets SIGTERM and
 /// distlock exits 76.
@@ -469,7 +471,7 @@ async fn a_frozen_holders_late_write_is_fenced_off() {
         )
     };
     let slow = format!(
-        "trap '' TERM; touch \"$D/started\"; while [ ! -e \"$D/go\" ]; do sleep 0.02; done; {} > \"$D/a\"",
+        "trap '' TERM; touch \"$D/started\"; i=0; while [ ! -e \"$D/go\" ] && [ $i -lt 1000 ]; do sleep 0.02; i=$((i+1)); done; {} > \"$D/a\"",
         write("A")
     );
     let mut a = distlock(

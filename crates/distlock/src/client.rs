@@ -276,7 +276,7 @@ impl LockClientBuilder {
     /// let b = distlock::LockClient::builder().notifications(redis);
     /// ```
     pub fn notifications(mut self, client: redis::Client) -> Self {
-        self.notifications.push(Source::Client(client));
+        self.notifications.push(Source::Client(Box::new(client)));
         self
     }
 
@@ -467,7 +467,7 @@ impl LockClientBuilder {
         for url in urls {
             let (client, conn) = self.manager(url.as_ref())?;
             names.push(client.get_connection_info().addr().to_string());
-            self.notifications.push(Source::Client(client));
+            self.notifications.push(Source::Client(Box::new(client)));
             conns.push(conn);
         }
         self.redlock_described(conns, names)

@@ -177,7 +177,8 @@ impl LockGuard {
     /// ```
     pub async fn release(mut self) -> Result<bool, LockError> {
         self.disarm();
-        match tokio::time::timeout(self.config.op_timeout(), self.backend.release(&self.op)).await {
+        let release = crate::backend::release_and_wake(&*self.backend, &self.op);
+        match tokio::time::timeout(self.config.op_timeout(), release).await {
             Ok(result) => result,
             Err(_) => Err(LockError::timeout(
                 self.op.name.as_str(),

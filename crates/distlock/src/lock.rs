@@ -224,12 +224,22 @@ pub(crate) async fn acquire_until(
     config: &LockConfig,
     deadline: Option<Instant>,
 ) -> Result<(Attempt, Instant), LockError> {
-    let (mut last, mut sent) = attempt(backend, op, config).await?;
     let Some(deadline) = deadline else {
-        return Ok((last, sent));
+        return attempt(backend, op, config).await;
     };
     let mut waiter = None;
     let mut backoff = Backoff::new(config.retry_base(), config.retry_max());
+    if backend.waiters().is_waited(op.name.channel()) {
+        // Others in this client already wait for this lock: queue behind them (releases wake
+        // waiters in arrival order) instead of barging past them with an attempt of our own.
+        let registered = backend.waiters().register(op.name.channel());
+        // Releases in this client wake the next waiter directly, so wait for that (with the
+        // longest polling delay as the fallback).
+        let left = deadline.saturating_duration_since(Instant::now());
+        let _ = tokio::time::timeout(config.retry_max().min(left), registered.notified()).await;
+        waiter = Some(registered);
+    }
+    let (mut last, mut sent) = attempt(backend, op, config).await?;
     loop {
         let Attempt::Held { ttl, .. } = &last else {
             return Ok((last, sent));

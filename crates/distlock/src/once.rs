@@ -287,6 +287,7 @@ impl OnceGuard {
             let error = match stored {
                 Ok(Ok(true)) => {
                     self.guard.disarm();
+                    crate::backend::wake_next(&**self.guard.backend(), self.guard.op());
                     return Ok(());
                 }
                 Ok(Ok(false)) => {

@@ -81,9 +81,10 @@ impl SentinelConnection {
     /// ```
     pub fn new<S: AsRef<str>>(sentinels: &[S], service: &str) -> Result<Self, ConfigError> {
         let urls: Vec<&str> = sentinels.iter().map(AsRef::as_ref).collect();
-        let client =
-            SentinelClient::build(urls, service.to_owned(), None, SentinelServerType::Master)
-                .map_err(|e| ConfigError::invalid("sentinel", e.to_string()))?;
+        // (The parameter is a `String`, or `impl AsRef<str>` when redis has TLS support.)
+        let service_name = String::from(service);
+        let client = SentinelClient::build(urls, service_name, None, SentinelServerType::Master)
+            .map_err(|e| ConfigError::invalid("sentinel", e.to_string()))?;
         Ok(SentinelConnection {
             inner: Arc::new(Inner {
                 sentinel: Arc::new(tokio::sync::Mutex::new(client)),

@@ -16,8 +16,8 @@ use crate::ConfigError;
 /// assert_ne!(a, b);
 /// assert_eq!(a.as_str().len(), 32);
 /// ```
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct Token(Arc<str>);
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Token([u8; 32]);
 
 impl Token {
     /// Draws a new token from the OS RNG.
@@ -32,7 +32,12 @@ impl Token {
     pub fn random() -> Self {
         let mut bytes = [0u8; 16];
         getrandom::fill(&mut bytes).expect("the operating system RNG is unavailable");
-        Token(hex(&bytes).into())
+        let mut text = [0u8; 32];
+        for (i, b) in bytes.iter().enumerate() {
+            text[2 * i] = DIGITS[(b >> 4) as usize];
+            text[2 * i + 1] = DIGITS[(b & 0xf) as usize];
+        }
+        Token(text)
     }
 
     /// The token text stored in Redis.
@@ -42,30 +47,22 @@ impl Token {
     /// assert_eq!(t.to_string(), t.as_str());
     /// ```
     pub fn as_str(&self) -> &str {
-        &self.0
+        std::str::from_utf8(&self.0).expect("hex digits are ASCII")
     }
 }
 
+const DIGITS: &[u8; 16] = b"0123456789abcdef";
+
 impl fmt::Debug for Token {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Token({})", self.0)
+        write!(f, "Token({})", self.as_str())
     }
 }
 
 impl fmt::Display for Token {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(self.as_str())
     }
-}
-
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        out.push(DIGITS[(b >> 4) as usize] as char);
-        out.push(DIGITS[(b & 0xf) as usize] as char);
-    }
-    out
 }
 
 /// The identity of a reentrant lock owner: every acquisition by the same owner id nests.
@@ -111,7 +108,7 @@ impl OwnerId {
     /// assert_ne!(distlock::OwnerId::random(), distlock::OwnerId::random());
     /// ```
     pub fn random() -> Self {
-        OwnerId(Token::random().0)
+        OwnerId(Token::random().as_str().into())
     }
 
     /// The id text.
@@ -135,8 +132,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn hex_encodes() {
-        assert_eq!(hex(&[0, 0xab, 0xff]), "00abff");
+    fn tokens_are_32_hex_digits() {
+        let t = Token::random();
+        assert_eq!(t.as_str().len(), 32);
+        assert!(t.as_str().bytes().all(|b| DIGITS.contains(&b)));
     }
 
     #[test]

@@ -121,7 +121,12 @@ async fn run(
 
 /// Best-effort compare-and-delete with a deadline. Never deletes someone else's lock.
 pub(crate) async fn release(backend: &dyn Backend, op: &Op, config: &LockConfig) {
-    match timeout(config.op_timeout(), backend.release(op)).await {
+    match timeout(
+        config.op_timeout(),
+        crate::backend::release_and_wake(backend, op),
+    )
+    .await
+    {
         Ok(Ok(held)) => {
             tracing::debug!(
                 lock = op.name.as_str(),

@@ -72,6 +72,24 @@ pub(crate) enum Attempt {
     Done { record: Bytes },
 }
 
+/// Releases (compare-and-delete) and, if the lock was ours, wakes the next waiter in this
+/// client at once rather than when the store's announcement comes back (the announcement
+/// carries the same token, so it does not wake a second one).
+pub(crate) async fn release_and_wake(backend: &dyn Backend, op: &Op) -> Result<bool, LockError> {
+    let released = backend.release(op).await?;
+    if released {
+        wake_next(backend, op);
+    }
+    Ok(released)
+}
+
+/// Wakes the next local waiter of `op`'s lock, which `op` released.
+pub(crate) fn wake_next(backend: &dyn Backend, op: &Op) {
+    backend
+        .waiters()
+        .wake(op.name.channel(), op.token.as_str().as_bytes());
+}
+
 /// The operations a store must provide. All are atomic in the store.
 pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Takes the lock if free (a reentrant lock also if held by the same owner), else reports

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use redis::Value;
 use redis::aio::ConnectionLike;
+use redis::{Cmd, Script, Value};
 
 use super::waiters::Waiters;
 use super::{Attempt, Backend, BoxFuture, Mode, Op, millis};
@@ -162,31 +162,70 @@ fn parse_flag(name: &str, what: &str, reply: Value) -> Result<bool, LockError> {
     }
 }
 
-impl<C: Conn> RedisBackend<C> {
-    async fn eval(
-        &self,
-        op: &Op,
-        ambiguous: bool,
-        invocation: redis::ScriptInvocation<'_>,
-    ) -> Result<Value, LockError> {
-        let mut conn = self.conn.clone();
-        invocation
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| LockError::from_redis(op.name.as_str(), ambiguous, e))
+/// An `EVALSHA` of `script` on `keys`; the caller appends the arguments.
+fn evalsha(script: &Script, keys: &[&str], args: usize) -> Cmd {
+    let mut cmd = Cmd::with_capacity(3 + keys.len() + args, 64 + 48 * (keys.len() + args));
+    cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys.len());
+    for key in keys {
+        cmd.arg(*key);
+    }
+    cmd
+}
+
+/// The reply of the exclusive acquire script: the fence, or `-1 - pttl` when held.
+pub(crate) fn parse_acquired(name: &str, reply: Value) -> Result<Attempt, LockError> {
+    match int(&reply) {
+        Some(fence) if fence >= 1 => Ok(Attempt::Acquired {
+            fence: fence as u64,
+        }),
+        Some(0) => Ok(Attempt::Held {
+            ttl: None,
+            tag: None,
+        }),
+        Some(held) => Ok(Attempt::Held {
+            ttl: Some(Duration::from_millis((-1 - held) as u64)),
+            tag: None,
+        }),
+        None => Err(LockError::protocol(
+            name,
+            format!("acquire: unexpected reply {reply:?}"),
+        )),
     }
 }
 
 impl<C: Conn> RedisBackend<C> {
+    /// Sends `cmd` (an `EVALSHA` of `script`); on `NOSCRIPT` (a restarted or new server, a
+    /// failover) loads the script and sends it again.
+    async fn eval(
+        &self,
+        op: &Op,
+        ambiguous: bool,
+        script: &Script,
+        cmd: Cmd,
+    ) -> Result<Value, LockError> {
+        let mut conn = self.conn.clone();
+        let first = cmd.query_async::<Value>(&mut conn).await;
+        let reply = match first {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                match script.load_async(&mut conn).await {
+                    Ok(_) => cmd.query_async::<Value>(&mut conn).await,
+                    Err(load) => Err(load),
+                }
+            }
+            other => other,
+        };
+        reply.map_err(|e| LockError::from_redis(op.name.as_str(), ambiguous, e))
+    }
+
     /// (Redlock) Raises this node's fencing counter to `fence` if the lock here is ours.
     pub(crate) async fn fence_sync(&self, op: &Op, fence: u64) -> Result<bool, LockError> {
-        let mut inv = SCRIPTS.fence_sync.prepare_invoke();
-        inv.key(op.name.lock_key()).key(op.name.state_key());
+        let script = &SCRIPTS.fence_sync;
+        let mut cmd = evalsha(script, &[op.name.lock_key(), op.name.state_key()], 3);
         match &op.mode {
-            Mode::Reentrant { owner } => inv.arg(owner.as_str()).arg(fence).arg("r"),
-            _ => inv.arg(op.token.as_str()).arg(fence).arg("x"),
+            Mode::Reentrant { owner } => cmd.arg(owner.as_str()).arg(fence).arg("r"),
+            _ => cmd.arg(op.token.as_str()).arg(fence).arg("x"),
         };
-        let reply = self.eval(op, false, inv).await?;
+        let reply = self.eval(op, false, script, cmd).await?;
         parse_flag(op.name.as_str(), "fence_sync", reply)
     }
 }
@@ -194,34 +233,36 @@ impl<C: Conn> RedisBackend<C> {
 impl<C: Conn> Backend for RedisBackend<C> {
     fn acquire<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<Attempt, LockError>> {
         Box::pin(async move {
-            let mut inv = match &op.mode {
-                Mode::Reentrant { .. } => SCRIPTS.reentrant_acquire.prepare_invoke(),
-                _ => SCRIPTS.acquire.prepare_invoke(),
-            };
-            inv.key(op.name.lock_key()).key(op.name.state_key());
-            match &op.mode {
+            let keys = [op.name.lock_key(), op.name.state_key()];
+            let name = op.name.as_str();
+            let attempt = match &op.mode {
                 Mode::Exclusive => {
-                    inv.arg(op.token.as_str())
+                    let script = &SCRIPTS.acquire;
+                    let mut cmd = evalsha(script, &keys, 3);
+                    cmd.arg(op.token.as_str())
                         .arg(millis(op.lease))
-                        .arg(op.state_ttl_ms())
-                        .arg("x");
+                        .arg(op.state_ttl_ms());
+                    parse_acquired(name, self.eval(op, true, script, cmd).await?)?
                 }
                 Mode::Once { tag, .. } => {
-                    inv.arg(op.token.as_str())
+                    let script = &SCRIPTS.begin;
+                    let mut cmd = evalsha(script, &keys, 4);
+                    cmd.arg(op.token.as_str())
                         .arg(millis(op.lease))
                         .arg(op.state_ttl_ms())
-                        .arg("o")
                         .arg(tag.as_ref());
+                    parse_attempt(name, self.eval(op, true, script, cmd).await?)?
                 }
                 Mode::Reentrant { owner } => {
-                    inv.arg(owner.as_str())
+                    let script = &SCRIPTS.reentrant_acquire;
+                    let mut cmd = evalsha(script, &keys, 4);
+                    cmd.arg(owner.as_str())
                         .arg(millis(op.lease))
                         .arg(op.state_ttl_ms())
                         .arg(op.token.as_str());
+                    parse_attempt(name, self.eval(op, true, script, cmd).await?)?
                 }
-            }
-            let reply = self.eval(op, true, inv).await?;
-            let attempt = parse_attempt(op.name.as_str(), reply)?;
+            };
             if let (Attempt::Acquired { .. }, Some((wanted, timeout))) = (&attempt, self.replicas) {
                 self.check_replicas(op, wanted, timeout, true).await?;
             }
@@ -231,28 +272,27 @@ impl<C: Conn> Backend for RedisBackend<C> {
 
     fn extend<'a>(&'a self, op: &'a Op, lease: Duration) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
-            let inv = match &op.mode {
+            let keys = [op.name.lock_key(), op.name.state_key()];
+            let (script, cmd) = match &op.mode {
                 Mode::Reentrant { owner } => {
-                    let mut inv = SCRIPTS.reentrant_extend.prepare_invoke();
-                    inv.key(op.name.lock_key())
-                        .key(op.name.state_key())
-                        .arg(owner.as_str())
+                    let script = &SCRIPTS.reentrant_extend;
+                    let mut cmd = evalsha(script, &keys, 4);
+                    cmd.arg(owner.as_str())
                         .arg(millis(lease))
                         .arg(op.state_ttl_ms())
                         .arg(op.token.as_str());
-                    inv
+                    (script, cmd)
                 }
                 _ => {
-                    let mut inv = SCRIPTS.extend.prepare_invoke();
-                    inv.key(op.name.lock_key())
-                        .key(op.name.state_key())
-                        .arg(op.token.as_str())
+                    let script = &SCRIPTS.extend;
+                    let mut cmd = evalsha(script, &keys, 3);
+                    cmd.arg(op.token.as_str())
                         .arg(millis(lease))
                         .arg(op.state_ttl_ms());
-                    inv
+                    (script, cmd)
                 }
             };
-            let reply = self.eval(op, false, inv).await?;
+            let reply = self.eval(op, false, script, cmd).await?;
             let renewed = parse_flag(op.name.as_str(), "extend", reply)?;
             if let (true, Some((wanted, timeout))) = (renewed, self.replicas) {
                 // A renewal only the master knows of is worth nothing after a failover.
@@ -264,21 +304,21 @@ impl<C: Conn> Backend for RedisBackend<C> {
 
     fn release<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
-            let inv = match &op.mode {
+            let (script, cmd) = match &op.mode {
                 Mode::Reentrant { owner } => {
-                    let mut inv = SCRIPTS.reentrant_release.prepare_invoke();
-                    inv.key(op.name.lock_key())
-                        .arg(owner.as_str())
-                        .arg(op.token.as_str());
-                    inv
+                    let script = &SCRIPTS.reentrant_release;
+                    let mut cmd = evalsha(script, &[op.name.lock_key()], 2);
+                    cmd.arg(owner.as_str()).arg(op.token.as_str());
+                    (script, cmd)
                 }
                 _ => {
-                    let mut inv = SCRIPTS.release.prepare_invoke();
-                    inv.key(op.name.lock_key()).arg(op.token.as_str());
-                    inv
+                    let script = &SCRIPTS.release;
+                    let mut cmd = evalsha(script, &[op.name.lock_key()], 1);
+                    cmd.arg(op.token.as_str());
+                    (script, cmd)
                 }
             };
-            let reply = self.eval(op, false, inv).await?;
+            let reply = self.eval(op, false, script, cmd).await?;
             parse_flag(op.name.as_str(), "release", reply)
         })
     }
@@ -289,13 +329,12 @@ impl<C: Conn> Backend for RedisBackend<C> {
         record: &'a [u8],
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
-            let mut inv = SCRIPTS.complete.prepare_invoke();
-            inv.key(op.name.lock_key())
-                .key(op.name.state_key())
-                .arg(op.token.as_str())
+            let script = &SCRIPTS.complete;
+            let mut cmd = evalsha(script, &[op.name.lock_key(), op.name.state_key()], 3);
+            cmd.arg(op.token.as_str())
                 .arg(record)
                 .arg(op.state_ttl_ms());
-            let reply = self.eval(op, true, inv).await?;
+            let reply = self.eval(op, true, script, cmd).await?;
             let stored = parse_flag(op.name.as_str(), "complete", reply)?;
             if let (true, Some((wanted, timeout))) = (stored, self.replicas) {
                 self.check_replicas(op, wanted, timeout, false).await?;
@@ -332,6 +371,36 @@ mod tests {
 
     fn arr(v: Vec<Value>) -> Value {
         Value::Array(v)
+    }
+
+    #[test]
+    fn parses_the_exclusive_acquire_reply() {
+        assert_eq!(
+            parse_acquired("k", Value::Int(3)).unwrap(),
+            Attempt::Acquired { fence: 3 }
+        );
+        assert_eq!(
+            parse_acquired("k", Value::Int(-1 - 1500)).unwrap(),
+            Attempt::Held {
+                ttl: Some(Duration::from_millis(1500)),
+                tag: None
+            }
+        );
+        assert_eq!(
+            parse_acquired("k", Value::Int(-1)).unwrap(),
+            Attempt::Held {
+                ttl: Some(Duration::ZERO),
+                tag: None
+            }
+        );
+        assert_eq!(
+            parse_acquired("k", Value::Int(0)).unwrap(),
+            Attempt::Held {
+                ttl: None,
+                tag: None
+            }
+        );
+        assert!(parse_acquired("k", Value::Nil).is_err());
     }
 
     #[test]

@@ -19,7 +19,7 @@ use crate::backend::waiters::{Command, Waiters};
 #[derive(Clone)]
 pub(crate) enum Source {
     /// A fixed server.
-    Client(redis::Client),
+    Client(Box<redis::Client>),
     /// The current master of a Sentinel-managed group, asked again on every reconnect.
     Sentinel(Arc<tokio::sync::Mutex<redis::sentinel::SentinelClient>>),
 }
@@ -173,7 +173,7 @@ mod tests {
     async fn announcements_wake_waiters_and_survive_a_restart() {
         let server = testkit::RedisServer::start_owned().await;
         let waiters = spawn_notifiers(
-            vec![Source::Client(server.client())],
+            vec![Source::Client(Box::new(server.client()))],
             Duration::from_secs(2),
         );
         let mut waiter = waiters.register("p:{k}:rel");

@@ -10,6 +10,7 @@ use redis::Script;
 /// The lock scripts. Every script touches only keys that share one `{hash tag}`.
 pub(crate) struct Scripts {
     pub(crate) acquire: Script,
+    pub(crate) begin: Script,
     pub(crate) release: Script,
     pub(crate) extend: Script,
     pub(crate) complete: Script,
@@ -20,9 +21,10 @@ pub(crate) struct Scripts {
 }
 
 impl Scripts {
-    pub(crate) fn all(&self) -> [&Script; 8] {
+    pub(crate) fn all(&self) -> [&Script; 9] {
         [
             &self.acquire,
+            &self.begin,
             &self.release,
             &self.extend,
             &self.complete,
@@ -36,6 +38,7 @@ impl Scripts {
 
 pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     acquire: Script::new(include_str!("scripts/acquire.lua")),
+    begin: Script::new(include_str!("scripts/begin.lua")),
     release: Script::new(include_str!("scripts/release.lua")),
     extend: Script::new(include_str!("scripts/extend.lua")),
     complete: Script::new(include_str!("scripts/complete.lua")),

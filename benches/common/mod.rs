@@ -1,0 +1,150 @@
+//! Shared by the benchmark harnesses: modes, statistics, and the table printer.
+//!
+//! Every figure is measured in rounds; within a round every variant runs once, back to back,
+//! so a ratio compares variants measured under the same machine load. A figure is reported as
+//! the min / median / max of its per-round values.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::time::Duration;
+
+/// How long and how often to measure.
+#[derive(Debug, Clone, Copy)]
+pub struct Mode {
+    /// Rounds per figure.
+    pub rounds: usize,
+    /// Measuring time per variant per round.
+    pub window: Duration,
+    /// Warm-up per variant per round.
+    pub warmup: Duration,
+    /// Whether this is a real benchmark run (`cargo bench`) or a smoke test (`cargo test`).
+    pub full: bool,
+}
+
+impl Mode {
+    /// `cargo bench` passes `--bench`; `cargo test` does not: then everything runs once,
+    /// briefly, to prove the harness works. `BENCH_ROUNDS` and `BENCH_WINDOW_MS` override.
+    pub fn from_args() -> Self {
+        let full = std::env::args().any(|a| a == "--bench");
+        let env = |name: &str, default: u64| {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(default)
+        };
+        if full {
+            Mode {
+                rounds: env("BENCH_ROUNDS", 5) as usize,
+                window: Duration::from_millis(env("BENCH_WINDOW_MS", 2000)),
+                warmup: Duration::from_millis(300),
+                full,
+            }
+        } else {
+            Mode {
+                rounds: 1,
+                window: Duration::from_millis(100),
+                warmup: Duration::from_millis(20),
+                full,
+            }
+        }
+    }
+}
+
+/// Values of one figure over the rounds.
+#[derive(Debug, Clone, Default)]
+pub struct Series(pub Vec<f64>);
+
+impl Series {
+    pub fn push(&mut self, v: f64) {
+        self.0.push(v);
+    }
+
+    fn sorted(&self) -> Vec<f64> {
+        let mut v = self.0.clone();
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v
+    }
+
+    pub fn min(&self) -> f64 {
+        self.sorted().first().copied().unwrap_or(f64::NAN)
+    }
+
+    pub fn max(&self) -> f64 {
+        self.sorted().last().copied().unwrap_or(f64::NAN)
+    }
+
+    pub fn median(&self) -> f64 {
+        let v = self.sorted();
+        match v.len() {
+            0 => f64::NAN,
+            n if n % 2 == 1 => v[n / 2],
+            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+        }
+    }
+
+    /// Element-wise ratio of two series measured in the same rounds.
+    pub fn ratio(&self, other: &Series) -> Series {
+        Series(self.0.iter().zip(&other.0).map(|(a, b)| a / b).collect())
+    }
+
+    pub fn fmt_ratio(&self) -> String {
+        format!(
+            "{:.2} / {:.2} / {:.2}",
+            self.min(),
+            self.median(),
+            self.max()
+        )
+    }
+
+    pub fn fmt_abs(&self, unit: &str) -> String {
+        format!(
+            "{:.0} {unit} (min {:.0}, max {:.0})",
+            self.median(),
+            self.min(),
+            self.max()
+        )
+    }
+}
+
+/// The p-th percentile (0..=100) of durations, in microseconds.
+pub fn percentile_us(samples: &mut [Duration], p: f64) -> f64 {
+    if samples.is_empty() {
+        return f64::NAN;
+    }
+    samples.sort_unstable();
+    let rank = ((p / 100.0) * (samples.len() - 1) as f64).round() as usize;
+    samples[rank].as_secs_f64() * 1e6
+}
+
+/// Prints a markdown table row.
+pub fn row(cells: &[&str]) {
+    println!("| {} |", cells.join(" | "));
+}
+
+/// The machine, for the report header.
+pub fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
+    let redis = std::process::Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .ok()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default();
+    format!("{cpu}, {cores} cores; {redis}")
+}

@@ -1,0 +1,480 @@
+//! Lock benchmarks, every variant against the same Redis in the same run, reported as ratios.
+//!
+//! ```sh
+//! cargo bench --bench lock                    # 5 rounds of 2 s per variant
+//! BENCH_ROUNDS=9 cargo bench --bench lock     # more rounds
+//! ```
+//!
+//! 1. Uncontended acquire + release, sequential on one connection, and 64 tasks on distinct keys
+//!    sharing one multiplexed connection: ours, the `rslock` crate, and the limit: the raw
+//!    command pair a lock needs (`SET NX PX`, then `EVALSHA` compare-and-delete) sent with the
+//!    plain redis client.
+//! 2. Contention: 64 tasks on one key; critical sections per second, p99 wait, and Redis
+//!    commands sent per critical section (counted with `MONITOR`, script-internal calls excluded).
+//! 3. Redlock on 3 masters against one: acquire + release latency.
+//!
+//! Under `cargo test` (no `--bench` argument) every variant runs once, briefly.
+
+mod common;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{Mode, Series, percentile_us, row};
+use distlock::{LockClient, LockConfig};
+use futures_util::StreamExt;
+use redis::aio::MultiplexedConnection;
+use testkit::RedisServer;
+
+const TASKS: usize = 64;
+const UNLOCK: &str = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end";
+
+/// Operations per second of `op`, run back to back for `window` after a warm-up.
+async fn sequential<F, Fut>(mode: Mode, mut op: F) -> f64
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let warm = Instant::now();
+    while warm.elapsed() < mode.warmup {
+        op().await;
+    }
+    let start = Instant::now();
+    let mut n = 0u64;
+    while start.elapsed() < mode.window {
+        op().await;
+        n += 1;
+    }
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Total operations per second of `TASKS` tasks running `make(i)` in loops.
+async fn concurrent<F, Fut>(mode: Mode, make: F) -> f64
+where
+    F: Fn(usize) -> Box<dyn FnMut() -> Fut + Send>,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let count = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let measure_from = start + mode.warmup;
+    let end = measure_from + mode.window;
+    let mut tasks = Vec::new();
+    for i in 0..TASKS {
+        let mut op = make(i);
+        let count = count.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let now = Instant::now();
+                if now >= end {
+                    break;
+                }
+                op().await;
+                if now >= measure_from {
+                    count.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    count.load(Ordering::Relaxed) as f64 / mode.window.as_secs_f64()
+}
+
+async fn raw_pair(
+    conn: &mut MultiplexedConnection,
+    script: &redis::Script,
+    key: &str,
+    token: &str,
+) {
+    let set: Option<String> = redis::cmd("SET")
+        .arg(key)
+        .arg(token)
+        .arg("NX")
+        .arg("PX")
+        .arg(10_000)
+        .query_async(conn)
+        .await
+        .unwrap();
+    assert!(set.is_some(), "uncontended");
+    let released: i64 = script.key(key).arg(token).invoke_async(conn).await.unwrap();
+    assert_eq!(released, 1);
+}
+
+/// Our two scripts sent with the plain client: the server-side cost of fencing and
+/// notifications, without any of the client-side machinery.
+async fn scripts_pair(
+    conn: &mut MultiplexedConnection,
+    acquire: &redis::Script,
+    release: &redis::Script,
+    key: &str,
+) {
+    let fence: i64 = acquire
+        .key(format!("{{{key}}}"))
+        .key(format!("{{{key}}}:state"))
+        .arg("token")
+        .arg(10_000)
+        .arg(0)
+        .invoke_async(conn)
+        .await
+        .unwrap();
+    assert!(fence >= 1);
+    let released: i64 = release
+        .key(format!("{{{key}}}"))
+        .arg("token")
+        .invoke_async(conn)
+        .await
+        .unwrap();
+    assert_eq!(released, 1);
+}
+
+async fn ours_pair(lock: &distlock::Lock) {
+    let guard = lock.try_acquire().await.unwrap();
+    assert!(guard.release().await.unwrap());
+}
+
+async fn rslock_pair(manager: &rslock::LockManager, key: &str) {
+    let lock = manager
+        .lock(key.as_bytes(), Duration::from_secs(10))
+        .await
+        .unwrap();
+    manager.unlock(&lock).await;
+}
+
+/// Client requests seen by `MONITOR` while `work` runs (commands issued by scripts excluded).
+async fn count_commands<Fut: Future<Output = u64>>(server: &RedisServer, work: Fut) -> (u64, u64) {
+    let monitor = server.client().get_async_monitor().await.unwrap();
+    let counted = Arc::new(AtomicU64::new(0));
+    let counter = {
+        let counted = counted.clone();
+        tokio::spawn(async move {
+            let mut stream = monitor.into_on_message::<String>();
+            while let Some(line) = stream.next().await {
+                if !line.contains(" lua]") && !line.contains("\"MONITOR\"") {
+                    counted.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let sections = work.await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    counter.abort();
+    (counted.load(Ordering::Relaxed), sections)
+}
+
+struct Contention {
+    sections_per_s: f64,
+    p99_wait_us: f64,
+}
+
+/// 64 tasks take one lock in turn for `window`: sections per second and the p99 wait.
+async fn contend<F, Fut>(window: Duration, acquire_release: F) -> (Contention, u64)
+where
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let end = Instant::now() + window;
+    let mut tasks = Vec::new();
+    for _ in 0..TASKS {
+        let f = acquire_release.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut waits = Vec::new();
+            while Instant::now() < end {
+                let t = Instant::now();
+                f().await;
+                waits.push(t.elapsed());
+            }
+            waits
+        }));
+    }
+    let mut waits = Vec::new();
+    for t in tasks {
+        waits.extend(t.await.unwrap());
+    }
+    let sections = waits.len() as u64;
+    (
+        Contention {
+            sections_per_s: sections as f64 / window.as_secs_f64(),
+            p99_wait_us: percentile_us(&mut waits, 99.0),
+        },
+        sections,
+    )
+}
+
+fn main() {
+    let mode = Mode::from_args();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(run(mode));
+}
+
+async fn run(mode: Mode) {
+    let server = RedisServer::start_owned().await;
+    let masters = RedisServer::start_many(3).await;
+    let url = server.url();
+    let urls: Vec<String> = masters.iter().map(RedisServer::url).collect();
+    let conn = server
+        .client()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let script = redis::Script::new(UNLOCK);
+    let acquire_lua = redis::Script::new(include_str!(
+        "../crates/distlock/src/backend/redis/scripts/acquire.lua"
+    ));
+    let release_lua = redis::Script::new(include_str!(
+        "../crates/distlock/src/backend/redis/scripts/release.lua"
+    ));
+    let ours = LockClient::builder()
+        .prefix("bench")
+        .unwrap()
+        .redis(conn.clone());
+    ours.prepare().await.unwrap();
+    let ours_notified = LockClient::builder()
+        .prefix("bench")
+        .unwrap()
+        .connect(&url)
+        .unwrap();
+    ours_notified.prepare().await.unwrap();
+    let rs1 = rslock::LockManager::new(vec![url.clone()]);
+    let rs3 = rslock::LockManager::new(urls.clone());
+    let ours3 = LockClient::builder()
+        .prefix("bench")
+        .unwrap()
+        .connect_redlock(&urls)
+        .unwrap();
+    ours3.prepare().await.unwrap();
+    let single = ours.lock("seq").unwrap();
+    let triple = ours3.lock("seq").unwrap();
+
+    let (mut raw_seq, mut ours_seq, mut rs_seq) =
+        (Series::default(), Series::default(), Series::default());
+    let (mut scripts_seq, mut scripts_con) = (Series::default(), Series::default());
+    let (mut raw_con, mut ours_con, mut rs_con) =
+        (Series::default(), Series::default(), Series::default());
+    let (mut ours_rl, mut rs_rl) = (Series::default(), Series::default());
+    for round in 0..mode.rounds {
+        eprintln!("round {}/{}", round + 1, mode.rounds);
+        let mut c = conn.clone();
+        raw_seq.push(
+            sequential(mode, || {
+                let (mut c, s) = (c.clone(), &script);
+                async move { raw_pair(&mut c, s, "raw:seq", "token").await }
+            })
+            .await,
+        );
+        let _ = &mut c;
+        scripts_seq.push(
+            sequential(mode, || {
+                let (mut c, a, r) = (conn.clone(), &acquire_lua, &release_lua);
+                async move { scripts_pair(&mut c, a, r, "scripts:seq").await }
+            })
+            .await,
+        );
+        ours_seq.push(sequential(mode, || ours_pair(&single)).await);
+        rs_seq.push(sequential(mode, || rslock_pair(&rs1, "rs:seq")).await);
+        ours_rl.push(sequential(mode, || ours_pair(&triple)).await);
+        rs_rl.push(sequential(mode, || rslock_pair(&rs3, "rs3:seq")).await);
+
+        raw_con.push(
+            concurrent(mode, |i| {
+                let (conn, script) = (conn.clone(), script.clone());
+                let key = format!("raw:{i}");
+                Box::new(move || {
+                    let (mut c, s, k) = (conn.clone(), script.clone(), key.clone());
+                    async move { raw_pair(&mut c, &s, &k, "token").await }
+                })
+            })
+            .await,
+        );
+        scripts_con.push(
+            concurrent(mode, |i| {
+                let (conn, a, r) = (conn.clone(), acquire_lua.clone(), release_lua.clone());
+                let key = format!("scripts:{i}");
+                Box::new(move || {
+                    let (mut c, a, r, k) = (conn.clone(), a.clone(), r.clone(), key.clone());
+                    async move { scripts_pair(&mut c, &a, &r, &k).await }
+                })
+            })
+            .await,
+        );
+        ours_con.push(
+            concurrent(mode, |i| {
+                let lock = ours.lock(&format!("con{i}")).unwrap();
+                Box::new(move || {
+                    let lock = lock.clone();
+                    async move { ours_pair(&lock).await }
+                })
+            })
+            .await,
+        );
+        rs_con.push(
+            concurrent(mode, |i| {
+                let manager = rs1.clone();
+                let key = format!("rs:{i}");
+                Box::new(move || {
+                    let (m, k) = (manager.clone(), key.clone());
+                    async move { rslock_pair(&m, &k).await }
+                })
+            })
+            .await,
+        );
+    }
+
+    // Contention: one window each, with commands counted.
+    let window = mode.window * 2;
+    let lock = ours_notified.lock("hot").unwrap();
+    let (ours_cmds, (ours_cont, ours_sections)) = {
+        let (cmds, (c, s)) = {
+            let mut out = None;
+            let (cmds, sections) = count_commands(&server, async {
+                let lock = lock.clone();
+                let r = contend(window, move || {
+                    let lock = lock.clone();
+                    async move {
+                        let g = lock.acquire(Duration::from_secs(30)).await.unwrap();
+                        g.release().await.unwrap();
+                    }
+                })
+                .await;
+                let s = r.1;
+                out = Some(r);
+                s
+            })
+            .await;
+            let _ = sections;
+            (cmds, out.unwrap())
+        };
+        (cmds, (c, s))
+    };
+    let (rs_cmds, (rs_cont, rs_sections)) = {
+        let mut out = None;
+        let (cmds, _) = count_commands(&server, async {
+            let manager = rs1.clone();
+            let r = contend(window, move || {
+                let manager = manager.clone();
+                async move {
+                    let guard = manager
+                        .acquire(b"rs:hot".as_slice(), Duration::from_secs(10))
+                        .await
+                        .unwrap();
+                    guard.release().await;
+                }
+            })
+            .await;
+            let s = r.1;
+            out = Some(r);
+            s
+        })
+        .await;
+        (cmds, out.unwrap())
+    };
+
+    println!(
+        "\n## Lock ({} rounds × {:?} per variant; {})\n",
+        mode.rounds,
+        mode.window,
+        common::machine()
+    );
+    row(&["figure", "ours", "reference", "ratio min / median / max"]);
+    row(&["---", "---", "---", "---"]);
+    let ops = |s: &Series| s.fmt_abs("ops/s");
+    row(&[
+        "uncontended, sequential: ours / raw limit",
+        &ops(&ours_seq),
+        &ops(&raw_seq),
+        &ours_seq.ratio(&raw_seq).fmt_ratio(),
+    ]);
+    row(&[
+        "uncontended, sequential: ours / rslock",
+        &ops(&ours_seq),
+        &ops(&rs_seq),
+        &ours_seq.ratio(&rs_seq).fmt_ratio(),
+    ]);
+    row(&[
+        "uncontended, sequential: our scripts sent raw / raw limit (server-side cost)",
+        &ops(&scripts_seq),
+        &ops(&raw_seq),
+        &scripts_seq.ratio(&raw_seq).fmt_ratio(),
+    ]);
+    row(&[
+        "uncontended, sequential: ours / our scripts sent raw (client-side cost)",
+        &ops(&ours_seq),
+        &ops(&scripts_seq),
+        &ours_seq.ratio(&scripts_seq).fmt_ratio(),
+    ]);
+    row(&[
+        "uncontended, 64 tasks: our scripts sent raw / raw limit",
+        &ops(&scripts_con),
+        &ops(&raw_con),
+        &scripts_con.ratio(&raw_con).fmt_ratio(),
+    ]);
+    row(&[
+        "uncontended, 64 tasks: ours / our scripts sent raw",
+        &ops(&ours_con),
+        &ops(&scripts_con),
+        &ours_con.ratio(&scripts_con).fmt_ratio(),
+    ]);
+    row(&[
+        "uncontended, 64 tasks: ours / raw limit",
+        &ops(&ours_con),
+        &ops(&raw_con),
+        &ours_con.ratio(&raw_con).fmt_ratio(),
+    ]);
+    row(&[
+        "uncontended, 64 tasks: ours / rslock",
+        &ops(&ours_con),
+        &ops(&rs_con),
+        &ours_con.ratio(&rs_con).fmt_ratio(),
+    ]);
+    let latency = |s: &Series| Series(s.0.iter().map(|ops| 1e6 / ops).collect());
+    row(&[
+        "Redlock 3 masters / 1, latency: ours",
+        &format!("{:.0} µs", latency(&ours_rl).median()),
+        &format!("{:.0} µs", latency(&ours_seq).median()),
+        &latency(&ours_rl).ratio(&latency(&ours_seq)).fmt_ratio(),
+    ]);
+    row(&[
+        "Redlock 3 masters / 1, latency: rslock",
+        &format!("{:.0} µs", latency(&rs_rl).median()),
+        &format!("{:.0} µs", latency(&rs_seq).median()),
+        &latency(&rs_rl).ratio(&latency(&rs_seq)).fmt_ratio(),
+    ]);
+    row(&[
+        "Redlock 3 masters, latency: ours / rslock",
+        "",
+        "",
+        &latency(&ours_rl).ratio(&latency(&rs_rl)).fmt_ratio(),
+    ]);
+    println!("\n### Contention: {TASKS} tasks on one key, {window:?}\n");
+    row(&["", "sections/s", "p99 wait", "commands per section"]);
+    row(&["---", "---", "---", "---"]);
+    row(&[
+        "ours",
+        &format!("{:.0}", ours_cont.sections_per_s),
+        &format!("{:.0} µs", ours_cont.p99_wait_us),
+        &format!("{:.2}", ours_cmds as f64 / ours_sections.max(1) as f64),
+    ]);
+    row(&[
+        "rslock",
+        &format!("{:.0}", rs_cont.sections_per_s),
+        &format!("{:.0} µs", rs_cont.p99_wait_us),
+        &format!("{:.2}", rs_cmds as f64 / rs_sections.max(1) as f64),
+    ]);
+    row(&[
+        "ours / rslock",
+        &format!("{:.2}", ours_cont.sections_per_s / rs_cont.sections_per_s),
+        &format!("{:.2}", ours_cont.p99_wait_us / rs_cont.p99_wait_us),
+        &format!(
+            "{:.2}",
+            (ours_cmds as f64 / ours_sections.max(1) as f64)
+                / (rs_cmds as f64 / rs_sections.max(1) as f64)
+        ),
+    ]);
+    let _ = LockConfig::default();
+}
