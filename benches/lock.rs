@@ -250,11 +250,19 @@ async fn run(mode: Mode) {
         .unwrap();
     ours3.prepare().await.unwrap();
     let single = ours.lock("seq").unwrap();
+    let unfenced_client = ours.with_config(LockConfig::builder().fencing(false).build().unwrap());
+    let unfenced = unfenced_client.lock("seq-unfenced").unwrap();
+    let unfenced3 = ours3
+        .with_config(LockConfig::builder().fencing(false).build().unwrap())
+        .lock("seq-unfenced")
+        .unwrap();
     let triple = ours3.lock("seq").unwrap();
 
     let (mut raw_seq, mut ours_seq, mut rs_seq) =
         (Series::default(), Series::default(), Series::default());
     let (mut scripts_seq, mut scripts_con) = (Series::default(), Series::default());
+    let (mut unf_seq, mut unf_con, mut unf_rl) =
+        (Series::default(), Series::default(), Series::default());
     let (mut raw_con, mut ours_con, mut rs_con) =
         (Series::default(), Series::default(), Series::default());
     let (mut ours_rl, mut rs_rl) = (Series::default(), Series::default());
@@ -279,6 +287,8 @@ async fn run(mode: Mode) {
         ours_seq.push(sequential(mode, || ours_pair(&single)).await);
         rs_seq.push(sequential(mode, || rslock_pair(&rs1, "rs:seq")).await);
         ours_rl.push(sequential(mode, || ours_pair(&triple)).await);
+        unf_seq.push(sequential(mode, || ours_pair(&unfenced)).await);
+        unf_rl.push(sequential(mode, || ours_pair(&unfenced3)).await);
         rs_rl.push(sequential(mode, || rslock_pair(&rs3, "rs3:seq")).await);
 
         raw_con.push(
@@ -306,6 +316,16 @@ async fn run(mode: Mode) {
         ours_con.push(
             concurrent(mode, |i| {
                 let lock = ours.lock(&format!("con{i}")).unwrap();
+                Box::new(move || {
+                    let lock = lock.clone();
+                    async move { ours_pair(&lock).await }
+                })
+            })
+            .await,
+        );
+        unf_con.push(
+            concurrent(mode, |i| {
+                let lock = unfenced_client.lock(&format!("unf{i}")).unwrap();
                 Box::new(move || {
                     let lock = lock.clone();
                     async move { ours_pair(&lock).await }
@@ -451,6 +471,36 @@ async fn run(mode: Mode) {
         "",
         &latency(&ours_rl).ratio(&latency(&rs_rl)).fmt_ratio(),
     ]);
+    row(&[
+        "fencing off: uncontended, sequential: ours / raw limit",
+        &ops(&unf_seq),
+        &ops(&raw_seq),
+        &unf_seq.ratio(&raw_seq).fmt_ratio(),
+    ]);
+    row(&[
+        "fencing off: uncontended, 64 tasks: ours / raw limit",
+        &ops(&unf_con),
+        &ops(&raw_con),
+        &unf_con.ratio(&raw_con).fmt_ratio(),
+    ]);
+    row(&[
+        "fencing off: uncontended, 64 tasks: ours / rslock",
+        &ops(&unf_con),
+        &ops(&rs_con),
+        &unf_con.ratio(&rs_con).fmt_ratio(),
+    ]);
+    row(&[
+        "fencing off: Redlock 3 masters / 1, latency: ours",
+        &format!("{:.0} µs", latency(&unf_rl).median()),
+        &format!("{:.0} µs", latency(&unf_seq).median()),
+        &latency(&unf_rl).ratio(&latency(&unf_seq)).fmt_ratio(),
+    ]);
+    row(&[
+        "fencing off: Redlock 3 masters, latency: ours / rslock",
+        "",
+        "",
+        &latency(&unf_rl).ratio(&latency(&rs_rl)).fmt_ratio(),
+    ]);
     println!("\n### Contention: {TASKS} tasks on one key, {window:?}\n");
     row(&["", "sections/s", "p99 wait", "commands per section"]);
     row(&["---", "---", "---", "---"]);
@@ -476,5 +526,4 @@ async fn run(mode: Mode) {
                 / (rs_cmds as f64 / rs_sections.max(1) as f64)
         ),
     ]);
-    let _ = LockConfig::default();
 }

@@ -8,6 +8,7 @@ use crate::backend::memory::MemoryBackend;
 use crate::backend::redis::{Conn, RedisBackend, Source, spawn_notifiers};
 use crate::backend::redlock::RedlockBackend;
 use crate::backend::waiters::Waiters;
+use crate::watchdog::Watchdog;
 use crate::{ConfigError, Lock, LockConfig, LockName, MemoryLimits, Once, OwnerId};
 
 /// Entry point: makes [`Lock`]s and [`Once`]s on one store. Cheap to clone (one `Arc`); share one
@@ -35,6 +36,7 @@ struct ClientInner {
     backend: Arc<dyn Backend>,
     config: Arc<LockConfig>,
     prefix: String,
+    watchdog: Watchdog,
 }
 
 impl std::fmt::Debug for LockClient {
@@ -94,6 +96,7 @@ impl LockClient {
                 backend: self.inner.backend.clone(),
                 config: Arc::new(config),
                 prefix: self.inner.prefix.clone(),
+                watchdog: self.inner.watchdog.clone(),
             }),
         }
     }
@@ -200,6 +203,10 @@ impl LockClient {
             Ok(result) => result,
             Err(_) => Err(crate::LockError::timeout("(prepare)", false, timeout)),
         }
+    }
+
+    pub(crate) fn watchdog(&self) -> &Watchdog {
+        &self.inner.watchdog
     }
 
     pub(crate) fn backend(&self) -> &Arc<dyn Backend> {
@@ -373,6 +380,7 @@ impl LockClientBuilder {
                 backend,
                 config: Arc::new(self.config),
                 prefix: self.prefix,
+                watchdog: Watchdog::default(),
             }),
         }
     }

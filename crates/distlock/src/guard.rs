@@ -3,11 +3,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::sync::oneshot;
-
 use crate::backend::{Backend, Op};
 use crate::lease::{LeaseShared, LeaseWatch};
-use crate::watchdog::{self, Stop};
+use crate::watchdog::{self, Hold, Watchdog};
 use crate::{LockConfig, LockError, LossReason, Token};
 
 /// Proof of a held lock. While it lives a watchdog renews the lease; dropping it releases the
@@ -32,12 +30,16 @@ pub struct LockGuard {
     op: Op,
     config: Arc<LockConfig>,
     lease: LeaseWatch,
-    stop: Option<oneshot::Sender<Stop>>,
+    watchdog: Watchdog,
+    /// Registered with the watchdog until released, completed or dropped.
+    hold: Option<Arc<Hold>>,
 }
 
 impl LockGuard {
-    /// Wraps a confirmed acquisition that was sent at `sent` and starts its watchdog.
+    /// Wraps a confirmed acquisition that was sent at `sent` and registers it with the
+    /// client's watchdog.
     pub(crate) fn start(
+        watchdog: &Watchdog,
         backend: Arc<dyn Backend>,
         op: Op,
         config: Arc<LockConfig>,
@@ -46,11 +48,11 @@ impl LockGuard {
     ) -> Self {
         let valid_until = sent + op.lease - config.drift();
         let shared = LeaseShared::new(op.name.clone(), fence, valid_until);
-        let stop = watchdog::spawn(
+        let hold = watchdog.register(
             backend.clone(),
             op.clone(),
-            shared.clone(),
             config.clone(),
+            shared.clone(),
             sent,
         );
         LockGuard {
@@ -58,7 +60,8 @@ impl LockGuard {
             op,
             config,
             lease: LeaseWatch::new(shared),
-            stop: Some(stop),
+            watchdog: watchdog.clone(),
+            hold: Some(hold),
         }
     }
 
@@ -188,10 +191,10 @@ impl LockGuard {
         }
     }
 
-    /// Stops the watchdog without releasing, and marks the lease as over.
+    /// Stops watching the lease without releasing, and marks the lease as over.
     pub(crate) fn disarm(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(Stop::Quiet);
+        if let Some(hold) = self.hold.take() {
+            self.watchdog.unregister(&hold);
         }
         self.lease.shared().set_lost(LossReason::Released);
     }
@@ -207,9 +210,17 @@ impl LockGuard {
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
-        if self.stop.take().is_some() {
-            // Dropping the sender tells the watchdog to release the lock.
-            self.lease.shared().set_lost(LossReason::Released);
+        let Some(hold) = self.hold.take() else { return };
+        self.watchdog.unregister(&hold);
+        self.lease.shared().set_lost(LossReason::Released);
+        // Never block here: release in a task (a compare-and-delete with a deadline). Without a
+        // runtime the lease is the backstop.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(watchdog::release(
+                self.backend.clone(),
+                self.op.clone(),
+                self.config.clone(),
+            ));
         }
     }
 }

@@ -1,18 +1,52 @@
 //! What a holder can prove about its lease, and the signal when it no longer can.
 
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
-use tokio::sync::watch;
+use tokio::sync::Notify;
 
 use crate::{LockError, LockName, LossReason};
+
+/// Instants are stored as nanoseconds after this one, so that they fit an atomic.
+static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
+
+fn to_nanos(at: Instant) -> u64 {
+    u64::try_from(at.saturating_duration_since(*EPOCH).as_nanos()).unwrap_or(u64::MAX)
+}
+
+fn from_nanos(nanos: u64) -> Instant {
+    *EPOCH + Duration::from_nanos(nanos)
+}
+
+const HELD: u8 = 0;
+
+fn encode(reason: LossReason) -> u8 {
+    match reason {
+        LossReason::Expired => 1,
+        LossReason::NotOwner => 2,
+        LossReason::HoldLimit => 3,
+        LossReason::Released => 4,
+    }
+}
+
+fn decode(code: u8) -> Option<LossReason> {
+    match code {
+        1 => Some(LossReason::Expired),
+        2 => Some(LossReason::NotOwner),
+        3 => Some(LossReason::HoldLimit),
+        4 => Some(LossReason::Released),
+        _ => None,
+    }
+}
 
 #[derive(Debug)]
 pub(crate) struct LeaseShared {
     name: LockName,
     fence: u64,
-    valid_until: Mutex<Instant>,
-    lost: watch::Sender<Option<LossReason>>,
+    valid_until: AtomicU64,
+    lost: AtomicU8,
+    notify: Notify,
 }
 
 impl LeaseShared {
@@ -20,36 +54,51 @@ impl LeaseShared {
         Arc::new(LeaseShared {
             name,
             fence,
-            valid_until: Mutex::new(valid_until),
-            lost: watch::Sender::new(None),
+            valid_until: AtomicU64::new(to_nanos(valid_until)),
+            lost: AtomicU8::new(HELD),
+            notify: Notify::new(),
         })
     }
 
     pub(crate) fn valid_until(&self) -> Instant {
-        *self.valid_until.lock().unwrap_or_else(|e| e.into_inner())
+        from_nanos(self.valid_until.load(Ordering::Acquire))
     }
 
     /// Records a confirmed renewal; ignored once the lease was declared lost.
     pub(crate) fn renewed(&self, valid_until: Instant) {
         if self.loss().is_none() {
-            *self.valid_until.lock().unwrap_or_else(|e| e.into_inner()) = valid_until;
+            self.valid_until
+                .store(to_nanos(valid_until), Ordering::Release);
         }
     }
 
-    /// Declares the lease lost; the first reason sticks.
+    /// Declares the lease lost; the first reason sticks. Returns whether this call set it.
     pub(crate) fn set_lost(&self, reason: LossReason) -> bool {
-        self.lost.send_if_modified(|current| {
-            if current.is_none() {
-                *current = Some(reason);
-                true
-            } else {
-                false
-            }
-        })
+        let set = self
+            .lost
+            .compare_exchange(HELD, encode(reason), Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if set {
+            self.notify.notify_waiters();
+        }
+        set
     }
 
     pub(crate) fn loss(&self) -> Option<LossReason> {
-        *self.lost.borrow()
+        decode(self.lost.load(Ordering::Acquire))
+    }
+
+    /// Resolves when the lease is declared lost.
+    pub(crate) async fn wait_lost(&self) -> LossReason {
+        loop {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(reason) = self.loss() {
+                return reason;
+            }
+            notified.await;
+        }
     }
 }
 
@@ -231,11 +280,6 @@ impl LeaseWatch {
     /// # Ok(()) }
     /// ```
     pub async fn lost(&self) -> LossReason {
-        let mut rx = self.shared.lost.subscribe();
-        match rx.wait_for(Option::is_some).await {
-            Ok(reason) => reason.unwrap_or(LossReason::Expired),
-            // The sender lives in `shared`, which we hold: this cannot happen.
-            Err(_) => LossReason::Expired,
-        }
+        self.shared.wait_lost().await
     }
 }

@@ -81,6 +81,7 @@ impl Lock {
             token: Token::random(),
             lease: self.config.lease(),
             drift: self.config.drift(),
+            fencing: self.config.fencing(),
             state_ttl: self.config.fence_ttl(),
             mode: match &self.owner {
                 Some(owner) => Mode::Reentrant {
@@ -146,6 +147,7 @@ impl Lock {
         let (attempt, sent) = acquire_until(backend, &op, &self.config, deadline).await?;
         match attempt {
             Attempt::Acquired { fence } => Ok(LockGuard::start(
+                self.client.watchdog(),
                 backend.clone(),
                 op,
                 self.config.clone(),

@@ -185,6 +185,7 @@ impl Once {
             token: Token::random(),
             lease: self.config.lease(),
             drift: self.config.drift(),
+            fencing: self.config.fencing(),
             state_ttl: None,
             mode: Mode::Once {
                 tag,
@@ -195,7 +196,14 @@ impl Once {
         let (attempt, sent) = acquire_until(backend, &op, &self.config, deadline).await?;
         Ok(match attempt {
             Attempt::Acquired { fence } => Begin::Acquired(OnceGuard {
-                guard: LockGuard::start(backend.clone(), op, self.config.clone(), fence, sent),
+                guard: LockGuard::start(
+                    self.client.watchdog(),
+                    backend.clone(),
+                    op,
+                    self.config.clone(),
+                    fence,
+                    sent,
+                ),
             }),
             Attempt::Done { record } => Begin::Done(record),
             Attempt::Held { ttl, tag } => Begin::InFlight {

@@ -1,129 +1,339 @@
-//! The task that lives beside every guard: renews the lease, fires the loss signal at the exact
-//! instant the lease can no longer be proven held, and releases the lock when the guard is dropped.
+//! Lease renewal and the loss signal for every guard of one client, driven by one task.
+//!
+//! A guard registers its lease; the task keeps one event per lease in a queue ordered by time:
+//! the next renewal, or the end of the lease as last proven (`sent + lease - drift`) while a
+//! renewal is in flight or renewals have stopped. At a renewal event it sends the renewal in a
+//! task of its own (so a slow store never delays other leases); at the end of a lease it fires
+//! the loss signal, to the instant, whether or not a renewal is still in flight. A guard that
+//! goes away takes its event out of the queue, so a released lock costs nothing more.
+//!
+//! Registering a lease costs a map insertion under a mutex, with no task spawned and no timer
+//! armed: the task sleeps until the earliest event, and is woken only when a new lease needs
+//! attention before that.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
-use tokio::sync::oneshot;
-use tokio::time::{Instant, sleep_until, timeout};
+use tokio::sync::Notify;
+use tokio::time::timeout;
 
 use crate::backend::{Backend, Op};
 use crate::lease::LeaseShared;
 use crate::{Backoff, LockConfig, LossReason};
 
-/// What the guard tells its watchdog when it goes.
+/// How long the task sleeps when it has nothing due earlier: new leases whose first event is
+/// later than its wake-up do not need to wake it.
+const IDLE_TICK: Duration = Duration::from_millis(50);
+
+/// One client's watchdog. Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Watchdog {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    queue: Mutex<Queue>,
+    /// Shared with the task, which must not keep the rest alive while it sleeps.
+    wake: Arc<Notify>,
+    /// The task, to start it again if its runtime went away.
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// When the task will next look at the queue, in nanoseconds after `base` (0: not asleep).
+    asleep_until: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    events: BTreeMap<(Instant, u64), Arc<Hold>>,
+    next_id: u64,
+}
+
+/// One registered lease.
 #[derive(Debug)]
-pub(crate) enum Stop {
-    /// The guard released (or completed) the lock itself: just stop.
-    Quiet,
-}
-
-/// Starts the watchdog of one hold. Dropping the returned sender (dropping the guard) makes the
-/// watchdog release the lock, best effort, within one command timeout; the lease is the backstop.
-pub(crate) fn spawn(
+pub(crate) struct Hold {
+    id: u64,
+    watchdog: Weak<Inner>,
     backend: Arc<dyn Backend>,
     op: Op,
-    shared: Arc<LeaseShared>,
     config: Arc<LockConfig>,
-    acquired: std::time::Instant,
-) -> oneshot::Sender<Stop> {
-    let (tx, rx) = oneshot::channel();
-    tokio::spawn(run(backend, op, shared, config, acquired.into(), rx));
-    tx
+    lease: Arc<LeaseShared>,
+    /// The instant the hold cap is reached, if there is a cap.
+    cap: Option<Instant>,
+    state: Mutex<HoldState>,
 }
 
-async fn run(
-    backend: Arc<dyn Backend>,
-    op: Op,
-    shared: Arc<LeaseShared>,
-    config: Arc<LockConfig>,
-    acquired: Instant,
-    mut stop: oneshot::Receiver<Stop>,
-) {
-    let cap = config.max_hold().map(|c| acquired + c);
-    let mut next_renewal = acquired + config.renew_every();
-    let mut renewing = config.watchdog();
-    let mut capped = false;
-    let mut retry = Backoff::new(
-        config.renew_every() / 8 + Duration::from_millis(1),
-        config.renew_every() / 2,
-    );
-    // Once the lease is lost only the first branch stays enabled: wait for the guard to go.
-    loop {
-        let valid_until: Instant = shared.valid_until().into();
-        let lost = shared.loss().is_some();
-        tokio::select! {
-            biased;
-            message = &mut stop => {
-                if message.is_err() {
-                    release(&*backend, &op, &config).await;
-                }
-                return;
-            }
-            () = sleep_until(valid_until), if !lost => {
-                let reason = if capped { LossReason::HoldLimit } else { LossReason::Expired };
-                if shared.set_lost(reason) {
-                    tracing::warn!(lock = op.name.as_str(), %reason, "lease lost");
-                }
-            }
-            () = sleep_until(next_renewal), if renewing && !lost => {
-                let sent = Instant::now();
-                let lease = match cap {
-                    None => config.lease(),
-                    Some(cap) => config.lease().min(cap.saturating_duration_since(sent)),
-                };
-                if lease <= config.drift() * 2 {
-                    // The cap leaves no useful lease: stop renewing and let it run out.
-                    renewing = false;
-                    capped = true;
-                    continue;
-                }
-                let outcome = tokio::select! {
-                    biased;
-                    message = &mut stop => {
-                        if message.is_err() {
-                            release(&*backend, &op, &config).await;
-                        }
-                        return;
-                    }
-                    () = sleep_until(valid_until) => None,
-                    outcome = timeout(config.op_timeout(), backend.extend(&op, lease)) => Some(outcome),
-                };
-                match outcome {
-                    // The lease ran out while the renewal was in flight; the next turn fires it.
-                    None => {}
-                    Some(Ok(Ok(true))) => {
-                        shared.renewed((sent + lease - config.drift()).into_std());
-                        if cap.is_some_and(|cap| sent + lease >= cap) {
-                            capped = true;
-                            renewing = false;
-                        }
-                        next_renewal = sent + config.renew_every();
-                        retry.reset();
-                    }
-                    Some(Ok(Ok(false))) if shared.set_lost(LossReason::NotOwner) => {
-                        tracing::warn!(lock = op.name.as_str(), "lease lost: the lock is no longer ours");
-                    }
-                    Some(Ok(Ok(false))) => {}
-                    Some(Ok(Err(error))) => {
-                        tracing::debug!(lock = op.name.as_str(), %error, "renewal failed, retrying");
-                        next_renewal = Instant::now() + retry.next_delay();
-                    }
-                    Some(Err(_)) => {
-                        tracing::debug!(lock = op.name.as_str(), "renewal timed out, retrying");
-                        next_renewal = Instant::now() + retry.next_delay();
-                    }
-                }
-            }
+#[derive(Debug)]
+struct HoldState {
+    /// The queue entry of this hold, if any.
+    event: Option<(Instant, u64)>,
+    next_renewal: Instant,
+    renewing: bool,
+    in_flight: bool,
+    capped: bool,
+    done: bool,
+    retry: Backoff,
+}
+
+fn base() -> Instant {
+    static BASE: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
+    *BASE
+}
+
+fn nanos(at: Instant) -> u64 {
+    u64::try_from(at.saturating_duration_since(base()).as_nanos()).unwrap_or(u64::MAX)
+}
+
+impl Watchdog {
+    /// Registers a lease acquired (sent) at `acquired`: renewed while it lives (if the config
+    /// says so) and declared lost at the end of its proven validity.
+    pub(crate) fn register(
+        &self,
+        backend: Arc<dyn Backend>,
+        op: Op,
+        config: Arc<LockConfig>,
+        lease: Arc<LeaseShared>,
+        acquired: Instant,
+    ) -> Arc<Hold> {
+        let renew_every = config.renew_every();
+        let mut queue = self.inner.queue.lock().unwrap_or_else(|e| e.into_inner());
+        queue.next_id += 1;
+        let hold = Arc::new(Hold {
+            id: queue.next_id,
+            watchdog: Arc::downgrade(&self.inner),
+            cap: config.max_hold().map(|c| acquired + c),
+            state: Mutex::new(HoldState {
+                event: None,
+                next_renewal: acquired + renew_every,
+                renewing: config.watchdog(),
+                in_flight: false,
+                capped: false,
+                done: false,
+                retry: Backoff::new(renew_every / 8 + Duration::from_millis(1), renew_every / 2),
+            }),
+            backend,
+            op,
+            config,
+            lease,
+        });
+        let at = {
+            let mut state = hold.state.lock().unwrap_or_else(|e| e.into_inner());
+            let at = state.next_event(&hold);
+            schedule(&mut queue, &hold, &mut state, at);
+            at
+        };
+        drop(queue);
+        self.ensure_running();
+        wake_if_before(&self.inner, at);
+        hold
+    }
+
+    /// Stops watching a hold (released, completed or dropped).
+    pub(crate) fn unregister(&self, hold: &Hold) {
+        let mut queue = self.inner.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = hold.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.done = true;
+        if let Some(event) = state.event.take() {
+            queue.events.remove(&event);
+        }
+    }
+
+    fn ensure_running(&self) {
+        let mut task = self.inner.task.lock().unwrap_or_else(|e| e.into_inner());
+        if task
+            .as_ref()
+            .is_none_or(tokio::task::JoinHandle::is_finished)
+        {
+            *task = Some(tokio::spawn(run(Arc::downgrade(&self.inner))));
         }
     }
 }
 
-/// Best-effort compare-and-delete with a deadline. Never deletes someone else's lock.
-pub(crate) async fn release(backend: &dyn Backend, op: &Op, config: &LockConfig) {
+/// Wakes the task if it sleeps past `at`.
+fn wake_if_before(inner: &Inner, at: Instant) {
+    let asleep_until = inner.asleep_until.load(Ordering::Acquire);
+    if asleep_until == 0 || nanos(at) < asleep_until {
+        inner.wake.notify_one();
+    }
+}
+
+impl HoldState {
+    /// The next instant this hold needs attention.
+    fn next_event(&self, hold: &Hold) -> Instant {
+        let valid_until = hold.lease.valid_until();
+        if self.renewing && !self.in_flight {
+            self.next_renewal.min(valid_until)
+        } else {
+            valid_until
+        }
+    }
+}
+
+/// Puts the hold's single event at `at`.
+fn schedule(queue: &mut Queue, hold: &Arc<Hold>, state: &mut HoldState, at: Instant) {
+    if let Some(old) = state.event.take() {
+        queue.events.remove(&old);
+    }
+    if !state.done {
+        queue.events.insert((at, hold.id), hold.clone());
+        state.event = Some((at, hold.id));
+    }
+}
+
+async fn run(inner: Weak<Inner>) {
+    loop {
+        let Some(strong) = inner.upgrade() else {
+            return;
+        };
+        let now = Instant::now();
+        let mut due = Vec::new();
+        let next = {
+            let mut queue = strong.queue.lock().unwrap_or_else(|e| e.into_inner());
+            while let Some(entry) = queue.events.first_entry() {
+                if entry.key().0 > now {
+                    break;
+                }
+                due.push(entry.remove());
+            }
+            queue.events.first_key_value().map(|(k, _)| k.0)
+        };
+        for hold in due {
+            attend(&strong, &hold, now);
+        }
+        let wake_at = next.unwrap_or(now + IDLE_TICK).min(now + IDLE_TICK);
+        let wake = strong.wake.clone();
+        let notified = wake.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        strong
+            .asleep_until
+            .store(nanos(wake_at).max(1), Ordering::Release);
+        // Anything scheduled meanwhile before `wake_at` has notified, and `notified` was enabled
+        // before `asleep_until` was published: nothing is missed.
+        let recheck = {
+            let queue = strong.queue.lock().unwrap_or_else(|e| e.into_inner());
+            queue
+                .events
+                .first_key_value()
+                .is_some_and(|(k, _)| k.0 < wake_at)
+        };
+        drop(strong);
+        if !recheck {
+            tokio::select! {
+                () = tokio::time::sleep_until(wake_at.into()) => {}
+                () = &mut notified => {}
+            }
+        }
+        if let Some(strong) = inner.upgrade() {
+            strong.asleep_until.store(0, Ordering::Release);
+        }
+    }
+}
+
+/// A hold's event is due: fire the loss signal, or start a renewal, or reschedule.
+fn attend(inner: &Inner, hold: &Arc<Hold>, now: Instant) {
+    let mut queue = inner.queue.lock().unwrap_or_else(|e| e.into_inner());
+    let mut state = hold.state.lock().unwrap_or_else(|e| e.into_inner());
+    state.event = None;
+    if state.done {
+        return;
+    }
+    let valid_until = hold.lease.valid_until();
+    if now >= valid_until {
+        let reason = if state.capped {
+            LossReason::HoldLimit
+        } else {
+            LossReason::Expired
+        };
+        if hold.lease.set_lost(reason) {
+            tracing::warn!(lock = hold.op.name.as_str(), %reason, "lease lost");
+        }
+        return;
+    }
+    if state.renewing && !state.in_flight && now >= state.next_renewal {
+        let config = &hold.config;
+        let lease = match hold.cap {
+            None => config.lease(),
+            Some(cap) => config.lease().min(cap.saturating_duration_since(now)),
+        };
+        if lease <= config.drift() * 2 {
+            // The cap leaves no useful lease: stop renewing and let this one run out.
+            state.renewing = false;
+            state.capped = true;
+        } else {
+            state.in_flight = true;
+            tokio::spawn(renew(hold.clone(), lease, now));
+        }
+    }
+    let at = state.next_event(hold);
+    schedule(&mut queue, hold, &mut state, at);
+}
+
+/// Sends one renewal, then records its outcome and schedules the hold's next event.
+async fn renew(hold: Arc<Hold>, lease: Duration, sent: Instant) {
+    let config = hold.config.clone();
+    let outcome = timeout(config.op_timeout(), hold.backend.extend(&hold.op, lease)).await;
+    let Some(watchdog) = hold.watchdog.upgrade() else {
+        return;
+    };
+    let at = {
+        let mut queue = watchdog.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = hold.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.in_flight = false;
+        if state.done {
+            return;
+        }
+        match outcome {
+            Ok(Ok(true)) => {
+                hold.lease.renewed(sent + lease - config.drift());
+                state.next_renewal = sent + config.renew_every();
+                state.retry.reset();
+                if hold.cap.is_some_and(|cap| sent + lease >= cap) {
+                    state.renewing = false;
+                    state.capped = true;
+                }
+            }
+            Ok(Ok(false)) => {
+                if hold.lease.set_lost(LossReason::NotOwner) {
+                    tracing::warn!(
+                        lock = hold.op.name.as_str(),
+                        "lease lost: the lock is no longer ours"
+                    );
+                }
+                if let Some(event) = state.event.take() {
+                    queue.events.remove(&event);
+                }
+                return;
+            }
+            Ok(Err(error)) => {
+                tracing::debug!(lock = hold.op.name.as_str(), %error, "renewal failed, retrying");
+                state.next_renewal = Instant::now() + state.retry.next_delay();
+            }
+            Err(_) => {
+                tracing::debug!(lock = hold.op.name.as_str(), "renewal timed out, retrying");
+                state.next_renewal = Instant::now() + state.retry.next_delay();
+            }
+        }
+        if hold.lease.loss().is_some() {
+            if let Some(event) = state.event.take() {
+                queue.events.remove(&event);
+            }
+            return;
+        }
+        let at = state.next_event(&hold);
+        schedule(&mut queue, &hold, &mut state, at);
+        at
+    };
+    wake_if_before(&watchdog, at);
+}
+
+/// Best-effort compare-and-delete with a deadline, for a guard that was dropped. Never deletes
+/// someone else's lock; the lease is the backstop if the store cannot be reached.
+pub(crate) async fn release(backend: Arc<dyn Backend>, op: Op, config: Arc<LockConfig>) {
     match timeout(
         config.op_timeout(),
-        crate::backend::release_and_wake(backend, op),
+        crate::backend::release_and_wake(&*backend, &op),
     )
     .await
     {

@@ -86,6 +86,7 @@ both!(
     reentrant_nesting,
     once_lifecycle,
     late_completion_is_refused,
+    exclusion_without_fencing,
 );
 
 async fn exclusion_and_fencing(store: Store) {
@@ -234,4 +235,47 @@ async fn late_completion_is_refused(store: Store) {
     ));
     fast.complete(b"fast").await.unwrap();
     assert!(matches!(once.begin("").await.unwrap(), Begin::Done(r) if &r[..] == b"fast"));
+}
+
+async fn exclusion_without_fencing(store: Store) {
+    let config = LockConfig::builder().fencing(false).build().unwrap();
+    let history = Arc::new(History::new());
+    let mut tasks = Vec::new();
+    for c in 0..2 {
+        let client = store.client(config.clone()).await;
+        for t in 0..4 {
+            let lock = client.lock("unfenced").unwrap();
+            let history = history.clone();
+            tasks.push(tokio::spawn(async move {
+                for i in 0..8u64 {
+                    let g = lock.acquire(Duration::from_secs(60)).await.unwrap();
+                    assert_eq!(g.fence(), 0, "no fencing token");
+                    // The checker wants increasing tokens: number the sections instead.
+                    let s = history.enter(format!("{c}/{t}/{i}"), 0);
+                    tokio::task::yield_now().await;
+                    s.leave();
+                    assert!(g.release().await.unwrap());
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let mut sections = history.sections();
+    sections.sort_by_key(|s| s.enter);
+    for (i, s) in sections.iter_mut().enumerate() {
+        s.fence = i as u64 + 1;
+    }
+    assert_eq!(testkit::check(&sections).unwrap().sections, 64);
+    let client = store.client(config).await;
+    let lock = client.lock("unfenced-held").unwrap();
+    let _g = lock.try_acquire().await.unwrap();
+    assert!(matches!(
+        lock.try_acquire().await,
+        Err(LockError::Held {
+            retry_after: Some(_),
+            ..
+        })
+    ));
 }

@@ -315,6 +315,26 @@ impl MemoryBackend {
             Mode::Once { tag, .. } => Some(tag.clone()),
             _ => None,
         };
+        if matches!(op.mode, Mode::Exclusive) && !op.fencing {
+            if !store.make_room(&self.limits, 1, lock_key.len(), now) {
+                return Err(LockError::Capacity {
+                    name: op.name.as_str().to_owned(),
+                    entries: store.locks.len() + store.states.len(),
+                });
+            }
+            store.bytes += lock_key.len();
+            let holder = Holder::Exclusive(op.token.as_str().to_owned());
+            store.locks.insert(
+                lock_key.to_owned(),
+                MemLock {
+                    holder,
+                    fence: 0,
+                    expires: now + op.lease,
+                },
+            );
+            store.index(now + op.lease, Slot::Lock, lock_key);
+            return Ok(Attempt::Acquired { fence: 0 });
+        }
         let new_state = !store.states.contains_key(state_key);
         let bytes = lock_key.len()
             + tag.as_ref().map_or(0, Bytes::len)
@@ -494,6 +514,7 @@ mod tests {
             token: Token::random(),
             lease: Duration::from_millis(lease_ms),
             drift: Duration::from_millis(2),
+            fencing: true,
             state_ttl: None,
             mode,
         }

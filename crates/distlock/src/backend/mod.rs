@@ -38,6 +38,8 @@ pub(crate) struct Op {
     pub(crate) lease: Duration,
     /// The clock drift allowance: a lease counts as held until `sent + lease - drift`.
     pub(crate) drift: Duration,
+    /// Whether an exclusive acquisition draws a fencing token.
+    pub(crate) fencing: bool,
     pub(crate) state_ttl: Option<Duration>,
     pub(crate) mode: Mode,
 }

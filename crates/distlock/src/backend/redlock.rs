@@ -178,6 +178,13 @@ impl<C: Conn> RedlockBackend<C> {
             }
             return Ok(Attempt::Done { record });
         }
+        if fences.len() >= self.quorum && !op.fencing {
+            if started.elapsed() + op.drift < op.lease {
+                return Ok(Attempt::Acquired { fence: 0 });
+            }
+            self.release_all(op).await;
+            return Err(self.no_quorum(op, fences.len(), None));
+        }
         if fences.len() >= self.quorum {
             let fence = fences.iter().copied().max().expect("a quorum is not empty");
             let synced = self

@@ -217,6 +217,36 @@ impl<C: Conn> RedisBackend<C> {
         reply.map_err(|e| LockError::from_redis(op.name.as_str(), ambiguous, e))
     }
 
+    /// An exclusive acquisition without a fencing token: `SET NX PX`, and `PTTL` for the case
+    /// it is held, in one round trip and no script.
+    async fn acquire_unfenced(&self, op: &Op) -> Result<Attempt, LockError> {
+        let key = op.name.lock_key();
+        let mut pipe = redis::pipe();
+        pipe.cmd("SET")
+            .arg(key)
+            .arg(op.token.as_str())
+            .arg("NX")
+            .arg("PX")
+            .arg(millis(op.lease))
+            .cmd("PTTL")
+            .arg(key);
+        let mut conn = self.conn.clone();
+        let (set, pttl): (Option<String>, i64) = pipe
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| LockError::from_redis(op.name.as_str(), true, e))?;
+        Ok(match set {
+            Some(_) => Attempt::Acquired { fence: 0 },
+            None => Attempt::Held {
+                ttl: match pttl {
+                    -1 => None,
+                    p => Some(Duration::from_millis(p.max(0) as u64)),
+                },
+                tag: None,
+            },
+        })
+    }
+
     /// (Redlock) Raises this node's fencing counter to `fence` if the lock here is ours.
     pub(crate) async fn fence_sync(&self, op: &Op, fence: u64) -> Result<bool, LockError> {
         let script = &SCRIPTS.fence_sync;
@@ -236,6 +266,7 @@ impl<C: Conn> Backend for RedisBackend<C> {
             let keys = [op.name.lock_key(), op.name.state_key()];
             let name = op.name.as_str();
             let attempt = match &op.mode {
+                Mode::Exclusive if !op.fencing => self.acquire_unfenced(op).await?,
                 Mode::Exclusive => {
                     let script = &SCRIPTS.acquire;
                     let mut cmd = evalsha(script, &keys, 3);
