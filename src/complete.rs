@@ -11,8 +11,7 @@ use http_body::Body;
 use crate::begin::Run;
 use crate::body::{Collected, ResponseBody, collect_response};
 use crate::metrics::{Outcome, count, store_latency};
-use crate::record::Record;
-use crate::replay::stored_headers;
+use crate::record;
 use tracing::Instrument;
 
 pub(crate) async fn complete<B>(run: Box<Run>, response: Response<B>) -> Response<ResponseBody<B>>
@@ -58,13 +57,13 @@ where
             return Response::from_parts(parts, ResponseBody::failed(error));
         }
     };
-    let record = Record {
-        fingerprint,
-        status: parts.status,
-        headers: stored_headers(&parts.headers, &config.replay_headers),
-        body: stored_body,
-    }
-    .encode();
+    let record = record::encode(
+        &fingerprint,
+        parts.status,
+        &parts.headers,
+        |name| config.replay_headers.keeps(name),
+        stored_body.as_deref(),
+    );
     let started = Instant::now();
     let fence = guard.fence();
     let outcome = match guard.complete(&record).await {

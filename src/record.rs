@@ -13,7 +13,7 @@
 //! unknown version is reported (the layer answers 500 `record-unreadable`), never replayed
 //! wrongly and never a reason to run the handler again.
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{BufMut, Bytes};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 
 const MAGIC: &[u8; 3] = b"TIR";
@@ -30,31 +30,53 @@ pub(crate) struct Record {
     pub(crate) body: Option<Bytes>,
 }
 
-impl Record {
-    pub(crate) fn encode(&self) -> Vec<u8> {
-        let headers_len: usize = self
-            .headers
+/// Encodes a response as a record: the headers `keep` accepts, and the body (`None`: over the
+/// storage limit). One allocation, no intermediate header map.
+pub(crate) fn encode(
+    fingerprint: &[u8; 32],
+    status: StatusCode,
+    headers: &HeaderMap,
+    keep: impl Fn(&HeaderName) -> bool,
+    body: Option<&[u8]>,
+) -> Vec<u8> {
+    let kept = || {
+        headers
             .iter()
-            .map(|(n, v)| 6 + n.as_str().len() + v.len())
-            .sum();
-        let body = self.body.as_deref().unwrap_or_default();
-        let mut out = BytesMut::with_capacity(4 + 32 + 1 + 2 + 2 + headers_len + 4 + body.len());
-        out.put_slice(MAGIC);
-        out.put_u8(VERSION);
-        out.put_slice(&self.fingerprint);
-        out.put_u8(if self.body.is_none() { BODY_OMITTED } else { 0 });
-        out.put_u16(self.status.as_u16());
-        let count = self.headers.len().min(u16::MAX as usize);
-        out.put_u16(count as u16);
-        for (name, value) in self.headers.iter().take(count) {
-            out.put_u16(name.as_str().len() as u16);
-            out.put_slice(name.as_str().as_bytes());
-            out.put_u32(value.len() as u32);
-            out.put_slice(value.as_bytes());
-        }
-        out.put_u32(body.len() as u32);
-        out.put_slice(body);
-        out.to_vec()
+            .filter(|(name, _)| keep(name))
+            .take(u16::MAX as usize)
+    };
+    let (count, headers_len) = kept().fold((0usize, 0usize), |(c, l), (n, v)| {
+        (c + 1, l + 6 + n.as_str().len() + v.len())
+    });
+    let data = body.unwrap_or_default();
+    let mut out = Vec::with_capacity(4 + 32 + 1 + 2 + 2 + headers_len + 4 + data.len());
+    out.put_slice(MAGIC);
+    out.put_u8(VERSION);
+    out.put_slice(fingerprint);
+    out.put_u8(if body.is_none() { BODY_OMITTED } else { 0 });
+    out.put_u16(status.as_u16());
+    out.put_u16(count as u16);
+    for (name, value) in kept() {
+        out.put_u16(name.as_str().len() as u16);
+        out.put_slice(name.as_str().as_bytes());
+        out.put_u32(value.len() as u32);
+        out.put_slice(value.as_bytes());
+    }
+    out.put_u32(data.len() as u32);
+    out.put_slice(data);
+    out
+}
+
+impl Record {
+    #[cfg(test)]
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        encode(
+            &self.fingerprint,
+            self.status,
+            &self.headers,
+            |_| true,
+            self.body.as_deref(),
+        )
     }
 
     /// Decodes a record; the body shares `bytes`' buffer.

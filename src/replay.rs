@@ -1,26 +1,15 @@
 //! Turning a stored record back into a response, and choosing what is stored.
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue, Response};
+use http::{HeaderName, HeaderValue, Response};
 
 use crate::Rejection;
-use crate::layer::{Config, ReplayHeaders};
+use crate::layer::Config;
 use crate::metrics::Outcome;
 use crate::record::Record;
 
 /// Marks a replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
-
-/// The headers of a response that are stored (and so replayed).
-pub(crate) fn stored_headers(headers: &HeaderMap, policy: &ReplayHeaders) -> HeaderMap {
-    let mut kept = HeaderMap::with_capacity(headers.len());
-    for (name, value) in headers {
-        if policy.keeps(name) {
-            kept.append(name.clone(), value.clone());
-        }
-    }
-    kept
-}
 
 /// The answer to a request whose key has a stored record.
 pub(crate) fn replay(

@@ -27,20 +27,21 @@ pub const MAX_NAME_LEN: usize = 1024;
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct LockName {
-    inner: Arc<Keys>,
+    /// `<lock>:state<lock>:rel` in one allocation: the lock key, the state key (the lock key
+    /// and a suffix) and the channel are slices of it.
+    keys: Arc<str>,
+    /// Where the lock key ends.
+    lock_end: u32,
+    /// Where the name starts, inside the braces.
+    name_start: u32,
 }
 
-#[derive(PartialEq, Eq, Hash)]
-struct Keys {
-    name: String,
-    lock: String,
-    state: String,
-    channel: String,
-}
+const STATE: &str = ":state";
+const REL: &str = ":rel";
 
 impl std::fmt::Debug for LockName {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("LockName").field(&self.inner.lock).finish()
+        f.debug_tuple("LockName").field(&self.lock_key()).finish()
     }
 }
 
@@ -56,18 +57,24 @@ impl LockName {
     pub fn new(prefix: &str, name: &str) -> Result<Self, ConfigError> {
         check_part("prefix", prefix, true)?;
         check_part("name", name, false)?;
-        let lock = if prefix.is_empty() {
-            format!("{{{name}}}")
-        } else {
-            format!("{prefix}:{{{name}}}")
-        };
+        let separator = if prefix.is_empty() { "" } else { ":" };
+        let lock_len = prefix.len() + separator.len() + name.len() + 2;
+        let mut keys = String::with_capacity(2 * lock_len + STATE.len() + REL.len());
+        for _ in 0..2 {
+            keys.push_str(prefix);
+            keys.push_str(separator);
+            keys.push('{');
+            keys.push_str(name);
+            keys.push('}');
+            if keys.len() == lock_len {
+                keys.push_str(STATE);
+            }
+        }
+        keys.push_str(REL);
         Ok(LockName {
-            inner: Arc::new(Keys {
-                name: name.to_owned(),
-                state: format!("{lock}:state"),
-                channel: format!("{lock}:rel"),
-                lock,
-            }),
+            keys: keys.into(),
+            lock_end: lock_len as u32,
+            name_start: (prefix.len() + separator.len() + 1) as u32,
         })
     }
 
@@ -78,7 +85,7 @@ impl LockName {
     /// # Ok::<(), distlock::ConfigError>(())
     /// ```
     pub fn as_str(&self) -> &str {
-        &self.inner.name
+        &self.keys[self.name_start as usize..self.lock_end as usize - 1]
     }
 
     /// The key that holds the lock.
@@ -88,7 +95,7 @@ impl LockName {
     /// # Ok::<(), distlock::ConfigError>(())
     /// ```
     pub fn lock_key(&self) -> &str {
-        &self.inner.lock
+        &self.keys[..self.lock_end as usize]
     }
 
     /// The key that holds the fencing counter (and [`Once`](crate::Once) records).
@@ -98,7 +105,7 @@ impl LockName {
     /// # Ok::<(), distlock::ConfigError>(())
     /// ```
     pub fn state_key(&self) -> &str {
-        &self.inner.state
+        &self.keys[..self.lock_end as usize + STATE.len()]
     }
 
     /// The pub/sub channel on which releases of this lock are announced.
@@ -108,7 +115,7 @@ impl LockName {
     /// # Ok::<(), distlock::ConfigError>(())
     /// ```
     pub fn channel(&self) -> &str {
-        &self.inner.channel
+        &self.keys[self.lock_end as usize + STATE.len()..]
     }
 }
 
@@ -121,6 +128,14 @@ fn check_part(field: &'static str, value: &str, may_be_empty: bool) -> Result<()
             field,
             format!("{} bytes is over the limit of {MAX_NAME_LEN}", value.len()),
         ));
+    }
+    // Fast path on bytes; a 0xC2 byte may start a C1 control (U+0080..U+009F), so check those
+    // the slow way.
+    let clean = value
+        .bytes()
+        .all(|b| !matches!(b, b'{' | b'}' | 0xc2) && !b.is_ascii_control());
+    if clean {
+        return Ok(());
     }
     if let Some(c) = value
         .chars()

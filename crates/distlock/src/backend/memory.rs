@@ -10,7 +10,7 @@ use bytes::Bytes;
 
 use super::waiters::Waiters;
 use super::{Attempt, Backend, BoxFuture, Mode, Op};
-use crate::{ConfigError, LockError};
+use crate::{ConfigError, LockError, OwnerId, Token};
 
 /// Bounds of the in-memory store.
 ///
@@ -79,10 +79,10 @@ impl MemoryLimits {
 
 #[derive(Debug)]
 enum Holder {
-    Exclusive(String),
+    Exclusive(Token),
     Reentrant {
-        owner: String,
-        holds: HashSet<String>,
+        owner: OwnerId,
+        holds: HashSet<Token>,
     },
 }
 
@@ -99,7 +99,7 @@ struct MemState {
     tag: Option<Bytes>,
     record: Option<Bytes>,
     /// The token that stored the record (a retried completion is recognised).
-    completed_by: Option<String>,
+    completed_by: Option<Token>,
     expires: Option<Instant>,
 }
 
@@ -109,131 +109,149 @@ impl MemState {
     }
 }
 
+/// A lock and its state, under the lock key.
+#[derive(Debug, Default)]
+struct Entry {
+    lock: Option<MemLock>,
+    state: Option<MemState>,
+}
+
+impl Entry {
+    fn live_lock(&self, now: Instant) -> Option<&MemLock> {
+        self.lock.as_ref().filter(|l| l.expires > now)
+    }
+
+    fn bytes(&self, key: &str) -> usize {
+        if self.slots() == 0 {
+            return 0;
+        }
+        key.len() + self.state.as_ref().map_or(0, MemState::bytes)
+    }
+
+    fn slots(&self) -> usize {
+        usize::from(self.lock.is_some()) + usize::from(self.state.is_some())
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Slot {
     Lock,
     State,
 }
 
+/// Entries by lock key. foldhash is randomly seeded (so lock names cannot be chosen to collide)
+/// and hashes these keys several times faster than SipHash.
+type Entries = HashMap<Arc<str>, Entry, foldhash::fast::RandomState>;
+
 #[derive(Debug, Default)]
 struct Store {
-    locks: HashMap<String, MemLock>,
-    states: HashMap<String, MemState>,
+    entries: Entries,
+    /// Locks plus states (the entry bound counts both).
+    slots: usize,
     /// Expiry index; entries whose expiry changed since are stale and skipped.
-    expiries: BTreeMap<(Instant, u64), (Slot, String)>,
+    expiries: BTreeMap<(Instant, u64), (Slot, Arc<str>)>,
     seq: u64,
     bytes: usize,
     evicted: u64,
 }
 
 impl Store {
-    fn index(&mut self, at: Instant, slot: Slot, key: &str) {
+    fn index(&mut self, at: Instant, slot: Slot, key: &Arc<str>) {
         self.seq += 1;
-        self.expiries.insert((at, self.seq), (slot, key.to_owned()));
+        self.expiries.insert((at, self.seq), (slot, key.clone()));
     }
 
-    fn live_lock(&self, key: &str, now: Instant) -> Option<&MemLock> {
-        self.locks.get(key).filter(|l| l.expires > now)
-    }
-
-    fn remove_state(&mut self, key: &str) {
-        if let Some(s) = self.states.remove(key) {
-            self.bytes -= s.bytes() + key.len();
+    /// Accounts for a change to one entry and drops it when it is empty.
+    fn settle(&mut self, key: &str, before: (usize, usize)) {
+        let after = self
+            .entries
+            .get(key)
+            .map_or((0, 0), |e| (e.slots(), e.bytes(key)));
+        self.slots = self.slots + after.0 - before.0;
+        self.bytes = self.bytes + after.1 - before.1;
+        if after.0 == 0 {
+            self.entries.remove(key);
         }
     }
 
-    fn remove_lock(&mut self, key: &str) {
-        if self.locks.remove(key).is_some() {
-            self.bytes -= key.len();
-        }
+    fn footprint(&self, key: &str) -> (usize, usize) {
+        self.entries
+            .get(key)
+            .map_or((0, 0), |e| (e.slots(), e.bytes(key)))
     }
 
     /// Drops everything that expired by `now`.
     fn sweep(&mut self, now: Instant) {
-        while let Some(entry) = self.expiries.first_entry() {
-            if entry.key().0 > now {
+        while let Some(first) = self.expiries.first_entry() {
+            if first.key().0 > now {
                 break;
             }
-            let (slot, key) = entry.remove();
+            let (slot, key) = first.remove();
+            let before = self.footprint(&key);
+            let Some(entry) = self.entries.get_mut(&*key) else {
+                continue;
+            };
             match slot {
                 Slot::Lock => {
-                    if self.locks.get(&key).is_some_and(|l| l.expires <= now) {
-                        self.remove_lock(&key);
+                    if entry.lock.as_ref().is_some_and(|l| l.expires <= now) {
+                        entry.lock = None;
                     }
                 }
                 Slot::State => {
-                    if self
-                        .states
-                        .get(&key)
+                    if entry
+                        .state
+                        .as_ref()
                         .is_some_and(|s| s.expires.is_some_and(|e| e <= now))
                     {
-                        self.remove_state(&key);
+                        entry.state = None;
                     }
                 }
             }
+            self.settle(&key, before);
         }
     }
 
-    /// Makes room for `entries` more entries and `bytes` more bytes, evicting idle state in order
-    /// of expiry. Returns false if that is not possible.
+    /// Makes room for `slots` more locks or states and `bytes` more bytes, evicting idle state
+    /// in order of expiry. Returns false if that is not possible.
     fn make_room(
         &mut self,
         limits: &MemoryLimits,
-        entries: usize,
+        slots: usize,
         bytes: usize,
         now: Instant,
     ) -> bool {
         let fits = |s: &Store| {
-            s.locks.len() + s.states.len() + entries <= limits.max_entries
-                && s.bytes + bytes <= limits.max_bytes
+            s.slots + slots <= limits.max_entries && s.bytes + bytes <= limits.max_bytes
         };
         if fits(self) {
             return true;
         }
         self.sweep(now);
-        let candidates: Vec<String> = self
+        let candidates: Vec<Arc<str>> = self
             .expiries
             .values()
-            .filter(|(slot, key)| *slot == Slot::State && !self.locks.contains_key(key))
+            .filter(|(slot, key)| {
+                *slot == Slot::State && self.entries.get(&**key).is_some_and(|e| e.lock.is_none())
+            })
             .map(|(_, key)| key.clone())
             .collect();
         for key in candidates {
             if fits(self) {
                 break;
             }
-            if self.states.contains_key(&key) {
-                self.remove_state(&key);
+            let before = self.footprint(&key);
+            if let Some(entry) = self.entries.get_mut(&*key)
+                && entry.state.take().is_some()
+            {
+                self.settle(&key, before);
                 self.evicted += 1;
                 tracing::warn!(
-                    key,
+                    key = &*key,
                     "in-memory lock store full: evicted idle state before its expiry"
                 );
             }
         }
         fits(self)
-    }
-
-    fn state_mut(&mut self, key: &str) -> &mut MemState {
-        if !self.states.contains_key(key) {
-            self.bytes += key.len();
-            self.states.insert(key.to_owned(), MemState::default());
-        }
-        self.states.get_mut(key).expect("inserted above")
-    }
-
-    fn set_state_expiry(&mut self, key: &str, ttl: Option<Duration>, now: Instant) {
-        if let Some(ttl) = ttl {
-            let at = now + ttl;
-            self.state_mut(key).expires = Some(at);
-            self.index(at, Slot::State, key);
-        }
-    }
-
-    fn set_lock_expiry(&mut self, key: &str, at: Instant) {
-        if let Some(lock) = self.locks.get_mut(key) {
-            lock.expires = at;
-            self.index(at, Slot::Lock, key);
-        }
     }
 }
 
@@ -241,6 +259,13 @@ fn state_ttl(op: &Op) -> Option<Duration> {
     match &op.mode {
         Mode::Once { retention, .. } => Some(*retention),
         _ => op.state_ttl,
+    }
+}
+
+fn capacity(op: &Op, store: &Store) -> LockError {
+    LockError::Capacity {
+        name: op.name.as_str().to_owned(),
+        entries: store.slots,
     }
 }
 
@@ -269,132 +294,142 @@ impl MemoryBackend {
         let now = Instant::now();
         let mut store = self.store();
         store.sweep(now);
-        // Both maps are keyed by the lock key; the state of a lock sits beside it.
-        let (lock_key, state_key) = (op.name.lock_key(), op.name.lock_key());
-        if let Mode::Once { .. } = op.mode
-            && let Some(record) = store.states.get(state_key).and_then(|s| s.record.clone())
-        {
-            return Ok(Attempt::Done { record });
-        }
-        if let Some(lock) = store.live_lock(lock_key, now) {
-            let ttl = Some(lock.expires - now);
-            let fence = lock.fence;
-            match (&lock.holder, &op.mode) {
-                (Holder::Reentrant { owner, .. }, Mode::Reentrant { owner: me })
-                    if owner == me.as_str() =>
-                {
-                    let expires = lock.expires.max(now + op.lease);
-                    if let Some(MemLock {
-                        holder: Holder::Reentrant { holds, .. },
-                        ..
-                    }) = store.locks.get_mut(lock_key)
+        let key = op.name.lock_key();
+        let once = matches!(op.mode, Mode::Once { .. });
+        if let Some(entry) = store.entries.get_mut(key) {
+            if once && let Some(record) = entry.state.as_ref().and_then(|s| s.record.clone()) {
+                return Ok(Attempt::Done { record });
+            }
+            let tag = if once {
+                Some(
+                    entry
+                        .state
+                        .as_ref()
+                        .and_then(|s| s.tag.clone())
+                        .unwrap_or_default(),
+                )
+            } else {
+                None
+            };
+            if let Some(lock) = entry.lock.as_mut().filter(|l| l.expires > now) {
+                let ttl = Some(lock.expires - now);
+                let fence = lock.fence;
+                return match (&mut lock.holder, &op.mode) {
+                    (Holder::Reentrant { owner, holds }, Mode::Reentrant { owner: me })
+                        if owner == me =>
                     {
-                        holds.insert(op.token.as_str().to_owned());
+                        holds.insert(op.token);
+                        let expires = lock.expires.max(now + op.lease);
+                        lock.expires = expires;
+                        let key = store
+                            .entries
+                            .get_key_value(key)
+                            .map(|(k, _)| k.clone())
+                            .expect("present");
+                        store.index(expires, Slot::Lock, &key);
+                        Ok(Attempt::Acquired { fence })
                     }
-                    store.set_lock_expiry(lock_key, expires);
-                    return Ok(Attempt::Acquired { fence });
-                }
-                _ => {
-                    let tag = match op.mode {
-                        Mode::Once { .. } => Some(
-                            store
-                                .states
-                                .get(state_key)
-                                .and_then(|s| s.tag.clone())
-                                .unwrap_or_default(),
-                        ),
-                        _ => None,
-                    };
-                    return Ok(Attempt::Held { ttl, tag });
-                }
+                    _ => Ok(Attempt::Held { ttl, tag }),
+                };
             }
         }
-        // Free (or expired but not yet swept).
-        store.remove_lock(lock_key);
+        // Free (or expired but not swept yet).
+        let fenced = op.fencing || !matches!(op.mode, Mode::Exclusive);
+        let before = store.footprint(key);
         let tag = match &op.mode {
             Mode::Once { tag, .. } => Some(tag.clone()),
             _ => None,
         };
-        if matches!(op.mode, Mode::Exclusive) && !op.fencing {
-            if !store.make_room(&self.limits, 1, lock_key.len(), now) {
-                return Err(LockError::Capacity {
-                    name: op.name.as_str().to_owned(),
-                    entries: store.locks.len() + store.states.len(),
-                });
+        let has_state = store.entries.get(key).is_some_and(|e| e.state.is_some());
+        let new_slots = 1 + usize::from(fenced && !has_state);
+        let new_bytes =
+            if before.0 == 0 { key.len() } else { 0 } + tag.as_ref().map_or(0, Bytes::len);
+        if !store.make_room(&self.limits, new_slots, new_bytes, now) {
+            return Err(capacity(op, &store));
+        }
+        let shared_key = match store.entries.get_key_value(key) {
+            Some((k, _)) => k.clone(),
+            None => Arc::from(key),
+        };
+        let before = store.footprint(key);
+        let entry = store.entries.entry(shared_key.clone()).or_default();
+        let mut fence = 0;
+        let ttl = state_ttl(op);
+        let mut state_expiry = None;
+        if fenced {
+            let state = entry.state.get_or_insert_with(MemState::default);
+            state.fence += 1;
+            fence = state.fence;
+            if let Some(tag) = tag {
+                state.tag = Some(tag);
             }
-            store.bytes += lock_key.len();
-            let holder = Holder::Exclusive(op.token.as_str().to_owned());
-            store.locks.insert(
-                lock_key.to_owned(),
-                MemLock {
-                    holder,
-                    fence: 0,
-                    expires: now + op.lease,
-                },
-            );
-            store.index(now + op.lease, Slot::Lock, lock_key);
-            return Ok(Attempt::Acquired { fence: 0 });
+            if let Some(ttl) = ttl {
+                state.expires = Some(now + ttl);
+                state_expiry = Some(now + ttl);
+            }
         }
-        let new_state = !store.states.contains_key(state_key);
-        let bytes = lock_key.len()
-            + tag.as_ref().map_or(0, Bytes::len)
-            + if new_state { state_key.len() } else { 0 };
-        if !store.make_room(&self.limits, 1 + usize::from(new_state), bytes, now) {
-            return Err(LockError::Capacity {
-                name: op.name.as_str().to_owned(),
-                entries: store.locks.len() + store.states.len(),
-            });
-        }
-        let state = store.state_mut(state_key);
-        state.fence += 1;
-        let fence = state.fence;
-        if let Some(tag) = tag {
-            let old = state.tag.replace(tag.clone()).map_or(0, |t| t.len());
-            store.bytes = store.bytes + tag.len() - old;
-        }
-        store.set_state_expiry(state_key, state_ttl(op), now);
         let holder = match &op.mode {
             Mode::Reentrant { owner } => Holder::Reentrant {
-                owner: owner.as_str().to_owned(),
-                holds: HashSet::from([op.token.as_str().to_owned()]),
+                owner: owner.clone(),
+                holds: HashSet::from([op.token]),
             },
-            _ => Holder::Exclusive(op.token.as_str().to_owned()),
+            _ => Holder::Exclusive(op.token),
         };
-        store.bytes += lock_key.len();
-        store.locks.insert(
-            lock_key.to_owned(),
-            MemLock {
-                holder,
-                fence,
-                expires: now + op.lease,
-            },
-        );
-        store.index(now + op.lease, Slot::Lock, lock_key);
+        entry.lock = Some(MemLock {
+            holder,
+            fence,
+            expires: now + op.lease,
+        });
+        store.settle(key, before);
+        store.index(now + op.lease, Slot::Lock, &shared_key);
+        if let Some(at) = state_expiry {
+            store.index(at, Slot::State, &shared_key);
+        }
         Ok(Attempt::Acquired { fence })
     }
 
     fn owns(lock: &MemLock, op: &Op) -> bool {
         match (&lock.holder, &op.mode) {
-            (Holder::Exclusive(token), Mode::Exclusive | Mode::Once { .. }) => {
-                token == op.token.as_str()
-            }
+            (Holder::Exclusive(token), Mode::Exclusive | Mode::Once { .. }) => *token == op.token,
             (Holder::Reentrant { owner, holds }, Mode::Reentrant { owner: me }) => {
-                owner == me.as_str() && holds.contains(op.token.as_str())
+                owner == me && holds.contains(&op.token)
             }
             _ => false,
         }
+    }
+
+    /// The entry's shared key, if its lock is alive and ours.
+    fn owned(store: &Store, op: &Op, now: Instant) -> Option<Arc<str>> {
+        let (key, entry) = store.entries.get_key_value(op.name.lock_key())?;
+        entry
+            .live_lock(now)
+            .is_some_and(|l| Self::owns(l, op))
+            .then(|| key.clone())
     }
 
     fn extend_now(&self, op: &Op, lease: Duration) -> bool {
         let now = Instant::now();
         let mut store = self.store();
         store.sweep(now);
-        let key = op.name.lock_key();
-        if !store.live_lock(key, now).is_some_and(|l| Self::owns(l, op)) {
+        let Some(key) = Self::owned(&store, op, now) else {
             return false;
+        };
+        let ttl = state_ttl(op);
+        let entry = store.entries.get_mut(&*key).expect("owned");
+        if let Some(lock) = entry.lock.as_mut() {
+            lock.expires = now + lease;
         }
-        store.set_lock_expiry(key, now + lease);
-        store.set_state_expiry(key, state_ttl(op), now);
+        let state_expiry = match (entry.state.as_mut(), ttl) {
+            (Some(state), Some(ttl)) => {
+                state.expires = Some(now + ttl);
+                Some(now + ttl)
+            }
+            _ => None,
+        };
+        store.index(now + lease, Slot::Lock, &key);
+        if let Some(at) = state_expiry {
+            store.index(at, Slot::State, &key);
+        }
         true
     }
 
@@ -402,19 +437,21 @@ impl MemoryBackend {
         let now = Instant::now();
         let mut store = self.store();
         store.sweep(now);
-        let key = op.name.lock_key();
-        if !store.live_lock(key, now).is_some_and(|l| Self::owns(l, op)) {
+        let Some(key) = Self::owned(&store, op, now) else {
             return false;
-        }
-        let last = match store.locks.get_mut(key).map(|l| &mut l.holder) {
+        };
+        let before = store.footprint(&key);
+        let entry = store.entries.get_mut(&*key).expect("owned");
+        let last = match entry.lock.as_mut().map(|l| &mut l.holder) {
             Some(Holder::Reentrant { holds, .. }) => {
-                holds.remove(op.token.as_str());
+                holds.remove(&op.token);
                 holds.is_empty()
             }
             _ => true,
         };
         if last {
-            store.remove_lock(key);
+            entry.lock = None;
+            store.settle(&key, before);
             drop(store);
             self.waiters
                 .wake(op.name.channel(), op.token.as_str().as_bytes());
@@ -426,32 +463,39 @@ impl MemoryBackend {
         let now = Instant::now();
         let mut store = self.store();
         store.sweep(now);
-        let key = op.name.lock_key();
-        if !store.live_lock(key, now).is_some_and(|l| Self::owns(l, op)) {
+        let Some(key) = Self::owned(&store, op, now) else {
             let mine = store
-                .states
-                .get(key)
-                .and_then(|s| s.completed_by.as_deref())
-                .is_some_and(|t| t == op.token.as_str());
+                .entries
+                .get(op.name.lock_key())
+                .and_then(|e| e.state.as_ref())
+                .and_then(|s| s.completed_by)
+                .is_some_and(|t| t == op.token);
             return Ok(mine);
+        };
+        let before = store.footprint(&key);
+        let old = store.entries[&*key]
+            .state
+            .as_ref()
+            .map_or(0, MemState::bytes);
+        if !store.make_room(&self.limits, 0, record.len().saturating_sub(old), now) {
+            return Err(capacity(op, &store));
         }
-        let state_key = key;
-        let old = store.states.get(state_key).map_or(0, MemState::bytes);
-        let grow = record.len().saturating_sub(old);
-        if !store.make_room(&self.limits, 0, grow, now) {
-            return Err(LockError::Capacity {
-                name: op.name.as_str().to_owned(),
-                entries: store.locks.len() + store.states.len(),
-            });
-        }
-        let state = store.state_mut(state_key);
+        let ttl = state_ttl(op);
+        let entry = store
+            .entries
+            .get_mut(&*key)
+            .expect("owned, and never evicted while held");
+        let state = entry.state.get_or_insert_with(MemState::default);
         state.record = Some(Bytes::copy_from_slice(record));
-        state.completed_by = Some(op.token.as_str().to_owned());
+        state.completed_by = Some(op.token);
         state.tag = None;
-        let new = state.bytes();
-        store.bytes = store.bytes + new - old;
-        store.set_state_expiry(state_key, state_ttl(op), now);
-        store.remove_lock(key);
+        let state_expiry = ttl.map(|ttl| now + ttl);
+        state.expires = state_expiry;
+        entry.lock = None;
+        store.settle(&key, before);
+        if let Some(at) = state_expiry {
+            store.index(at, Slot::State, &key);
+        }
         drop(store);
         self.waiters
             .wake(op.name.channel(), op.token.as_str().as_bytes());
@@ -462,7 +506,7 @@ impl MemoryBackend {
     #[cfg(test)]
     fn usage(&self) -> (usize, usize, u64) {
         let s = self.store();
-        (s.locks.len() + s.states.len(), s.bytes, s.evicted)
+        (s.slots, s.bytes, s.evicted)
     }
 }
 
@@ -506,7 +550,7 @@ impl Backend for MemoryBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{LockName, OwnerId, Token};
+    use crate::LockName;
 
     fn op(name: &str, mode: Mode, lease_ms: u64) -> Op {
         Op {

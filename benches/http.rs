@@ -1,0 +1,509 @@
+//! The layer over HTTP on loopback, against the same handler without it and against the
+//! `axum-idempotent` crate (on its in-memory moka session store: its Redis store needs
+//! `HEXPIRE`, Redis >= 7.4, and Debian ships 7.0). Every variant runs as its own server process
+//! (this binary, re-executed with `--serve`), driven by a closed-loop load generator at a fixed
+//! concurrency, in rounds; figures are ratios within a round.
+//!
+//! ```sh
+//! cargo bench --bench http                     # 5 rounds of 2 s per variant
+//! BENCH_ROUNDS=9 cargo bench --bench http
+//! ```
+//!
+//! Reported per variant: throughput, p50 and p99 latency, and the server process's CPU time
+//! per request (from /proc, user + system). "execute" requests carry a new key each; "replay"
+//! requests repeat keys whose responses are stored.
+
+mod common;
+
+use std::io::BufRead;
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use bytes::Bytes;
+use common::{Mode, Series, percentile_us, row};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use testkit::RedisServer;
+use tower_idempotency::{IdempotencyLayer, Store};
+
+const CONCURRENCY: usize = 32;
+const REPLAY_KEYS: u64 = 256;
+
+// ---------------------------------------------------------------- server side
+
+async fn pay(body: Bytes) -> (StatusCode, axum::Json<serde_json::Value>) {
+    static ID: AtomicU64 = AtomicU64::new(0);
+    let id = ID.fetch_add(1, Ordering::Relaxed);
+    (
+        StatusCode::CREATED,
+        axum::Json(serde_json::json!({"id": id, "status": "paid", "bytes": body.len()})),
+    )
+}
+
+async fn login_handler(session: ruts::Session<ruts::store::moka::MokaStore>) -> StatusCode {
+    let ttl = ruts::store::Ttl::new(3600).unwrap();
+    session.set("user", &"bench", ttl, None).await.unwrap();
+    StatusCode::NO_CONTENT
+}
+
+fn app(variant: &str, redis_url: &str) -> Router {
+    let routes = Router::new().route("/pay", post(pay));
+    match variant {
+        "none" => routes,
+        // Room for every key of a long run: eviction is not what is measured.
+        "memory" => routes.layer(IdempotencyLayer::new(Store::memory_with(
+            distlock::MemoryLimits::new(4_000_000, 2 << 30).unwrap(),
+        ))),
+        "redis" => routes.layer(IdempotencyLayer::new(Store::redis(redis_url).unwrap())),
+        "peer" => {
+            let store = Arc::new(ruts::store::moka::MokaStore::builder().build());
+            let options = axum_idempotent::IdempotentOptions::default()
+                .use_idempotency_key_header(Some("Idempotency-Key"), true)
+                .expire_after(3600);
+            routes
+                .layer(axum_idempotent::IdempotentLayer::<
+                    ruts::store::moka::MokaStore,
+                >::new(options))
+                .route("/login", get(login_handler))
+                .layer(
+                    ruts::SessionLayer::new(store).with_cookie_options(
+                        ruts::CookieOptions::build()
+                            .name("session")
+                            .secure(false)
+                            .path("/"),
+                    ),
+                )
+                .layer(tower_cookies::CookieManagerLayer::new())
+        }
+        other => panic!("unknown variant {other}"),
+    }
+}
+
+fn serve(variant: &str, redis_url: &str) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let app = app(variant, redis_url);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        println!("{}", listener.local_addr().unwrap().port());
+        // Stop when the driver goes away (stdin closes).
+        std::thread::spawn(|| {
+            let mut line = String::new();
+            let _ = std::io::stdin().lock().read_line(&mut line);
+            std::process::exit(0);
+        });
+        axum::serve(listener, app).await.unwrap();
+    });
+}
+
+// ---------------------------------------------------------------- driver side
+
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Server {
+    fn start(variant: &str, redis_url: &str) -> Server {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--serve", variant, redis_url])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut port = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut port)
+            .unwrap();
+        let addr = format!("127.0.0.1:{}", port.trim()).parse().unwrap();
+        Server { child, addr }
+    }
+
+    /// User + system CPU time of the server process so far.
+    fn cpu(&self) -> Duration {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap();
+        let fields: Vec<&str> = stat
+            .rsplit(')')
+            .next()
+            .unwrap()
+            .split_whitespace()
+            .collect();
+        // After the command name: state is field 3, utime 14 and stime 15 (1-based, overall).
+        let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+        Duration::from_millis(ticks * 10)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Path {
+    Execute,
+    Replay,
+}
+
+static SEQ: AtomicU64 = AtomicU64::new(0);
+
+fn request(addr: SocketAddr, key: &str, cookie: Option<&str>) -> http::Request<Full<Bytes>> {
+    let mut b = http::Request::post(format!("http://{addr}/pay"))
+        .header("host", addr.to_string())
+        .header("idempotency-key", key)
+        .header("content-type", "application/json");
+    if let Some(cookie) = cookie {
+        b = b.header("cookie", cookie);
+    }
+    b.body(Full::new(Bytes::from_static(
+        br#"{"amount":10,"currency":"EUR"}"#,
+    )))
+    .unwrap()
+}
+
+type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+
+async fn connect(addr: SocketAddr) -> Sender {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.set_nodelay(true).unwrap();
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    sender
+}
+
+/// A session cookie for the peer (it only caches for requests that carry a session).
+async fn login(addr: SocketAddr) -> String {
+    let mut sender = connect(addr).await;
+    let req = http::Request::get(format!("http://{addr}/login"))
+        .header("host", addr.to_string())
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let res = sender.send_request(req).await.unwrap();
+    let cookie = res.headers()["set-cookie"].to_str().unwrap();
+    cookie.split(';').next().unwrap().to_owned()
+}
+
+async fn send(sender: &mut Sender, req: http::Request<Full<Bytes>>) -> (StatusCode, bool) {
+    sender.ready().await.unwrap();
+    let res = sender.send_request(req).await.unwrap();
+    let status = res.status();
+    let replayed = res.headers().contains_key("idempotent-replayed")
+        || res.headers().contains_key("idempotency-replayed");
+    res.into_body().collect().await.unwrap();
+    (status, replayed)
+}
+
+struct Load {
+    throughput: f64,
+    p50_us: f64,
+    p99_us: f64,
+    cpu_us_per_request: f64,
+}
+
+/// Closed-loop load at `CONCURRENCY` for the mode's window after its warm-up.
+async fn load(mode: Mode, server: &Server, path: Path, cookies: &[String], tag: &str) -> Load {
+    let start = Instant::now();
+    let measure_from = start + mode.warmup;
+    let end = measure_from + mode.window;
+    let cpu_before = Arc::new(std::sync::Mutex::new(None));
+    let mut workers = Vec::new();
+    for w in 0..CONCURRENCY {
+        let addr = server.addr;
+        let cookie = cookies.get(w).cloned();
+        let tag = tag.to_owned();
+        workers.push(tokio::spawn(async move {
+            let mut sender = connect(addr).await;
+            let mut latencies = Vec::new();
+            let mut i = 0u64;
+            loop {
+                let now = Instant::now();
+                if now >= end {
+                    break;
+                }
+                let key = match path {
+                    Path::Execute => format!("{tag}-{}", SEQ.fetch_add(1, Ordering::Relaxed)),
+                    Path::Replay => format!("replay-{}", (w as u64 * 7 + i) % REPLAY_KEYS),
+                };
+                i += 1;
+                let t = Instant::now();
+                let (status, replayed) =
+                    send(&mut sender, request(addr, &key, cookie.as_deref())).await;
+                assert_eq!(status, StatusCode::CREATED, "{key}");
+                // The warm-up stores again what a bounded store may have evicted since.
+                if path == Path::Replay && now >= measure_from {
+                    assert!(replayed, "a replay of {key} on {addr}");
+                }
+                if now >= measure_from {
+                    latencies.push(t.elapsed());
+                }
+            }
+            latencies
+        }));
+    }
+    tokio::time::sleep_until(measure_from.into()).await;
+    *cpu_before.lock().unwrap() = Some(server.cpu());
+    let mut latencies = Vec::new();
+    for w in workers {
+        latencies.extend(w.await.unwrap());
+    }
+    let cpu = server.cpu() - cpu_before.lock().unwrap().unwrap();
+    let n = latencies.len() as f64;
+    Load {
+        throughput: n / mode.window.as_secs_f64(),
+        p50_us: percentile_us(&mut latencies, 50.0),
+        p99_us: percentile_us(&mut latencies, 99.0),
+        cpu_us_per_request: cpu.as_secs_f64() * 1e6 / n,
+    }
+}
+
+/// Median round trip of one EVALSHA on one connection: what a Redis round trip costs here.
+async fn redis_rtt(server: &RedisServer) -> f64 {
+    let mut conn = server
+        .client()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let script = redis::Script::new("return redis.call('GET', KEYS[1])");
+    let mut samples = Vec::new();
+    for _ in 0..500 {
+        let t = Instant::now();
+        let _: Option<String> = script.key("rtt").invoke_async(&mut conn).await.unwrap();
+        samples.push(t.elapsed());
+    }
+    percentile_us(&mut samples, 50.0)
+}
+
+#[derive(Default)]
+struct Figures {
+    throughput: Series,
+    p50: Series,
+    p99: Series,
+    cpu: Series,
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(at) = args.iter().position(|a| a == "--serve") {
+        serve(&args[at + 1], &args[at + 2]);
+        return;
+    }
+    let mode = Mode::from_args();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(drive(mode));
+}
+
+async fn drive(mode: Mode) {
+    let redis = RedisServer::start_owned().await;
+    let url = redis.url();
+    let variants: Vec<(&str, Path)> = vec![
+        ("none", Path::Execute),
+        ("memory", Path::Execute),
+        ("redis", Path::Execute),
+        ("peer", Path::Execute),
+        ("memory", Path::Replay),
+        ("redis", Path::Replay),
+        ("peer", Path::Replay),
+    ];
+    let servers: Vec<(&str, Server)> = ["none", "memory", "redis", "peer"]
+        .into_iter()
+        .map(|v| (v, Server::start(v, &url)))
+        .collect();
+    let server = |name: &str| &servers.iter().find(|(n, _)| *n == name).unwrap().1;
+    let mut peer_cookies = Vec::new();
+    for _ in 0..CONCURRENCY {
+        peer_cookies.push(login(server("peer").addr).await);
+    }
+    // Store the responses the replay runs will ask for (for the peer, in every session).
+    for name in ["memory", "redis", "peer"] {
+        let s = server(name);
+        let mut sender = connect(s.addr).await;
+        let sessions: Vec<Option<&str>> = if name == "peer" {
+            peer_cookies.iter().map(|c| Some(c.as_str())).collect()
+        } else {
+            vec![None]
+        };
+        for cookie in sessions {
+            for k in 0..REPLAY_KEYS {
+                let (status, _) =
+                    send(&mut sender, request(s.addr, &format!("replay-{k}"), cookie)).await;
+                assert_eq!(status, StatusCode::CREATED);
+            }
+        }
+    }
+
+    let mut figures: Vec<Figures> = variants.iter().map(|_| Figures::default()).collect();
+    let mut rtt = Series::default();
+    for round in 0..mode.rounds {
+        eprintln!("round {}/{}", round + 1, mode.rounds);
+        rtt.push(redis_rtt(&redis).await);
+        for (i, (name, path)) in variants.iter().enumerate() {
+            let cookies: &[String] = if *name == "peer" { &peer_cookies } else { &[] };
+            let l = load(
+                mode,
+                server(name),
+                *path,
+                cookies,
+                &format!("r{round}{name}"),
+            )
+            .await;
+            figures[i].throughput.push(l.throughput);
+            figures[i].p50.push(l.p50_us);
+            figures[i].p99.push(l.p99_us);
+            figures[i].cpu.push(l.cpu_us_per_request);
+        }
+    }
+
+    println!(
+        "\n## HTTP ({} rounds × {:?} per variant, {CONCURRENCY} connections; {})\n",
+        mode.rounds,
+        mode.window,
+        common::machine()
+    );
+    row(&[
+        "variant",
+        "requests/s",
+        "p50",
+        "p99",
+        "server CPU per request",
+    ]);
+    row(&["---", "---", "---", "---", "---"]);
+    let label = |(name, path): &(&str, Path)| {
+        let who = match *name {
+            "none" => "no layer",
+            "memory" => "ours, memory store",
+            "redis" => "ours, Redis store",
+            _ => "axum-idempotent (moka)",
+        };
+        format!(
+            "{who}, {}",
+            if *path == Path::Execute {
+                "execute"
+            } else {
+                "replay"
+            }
+        )
+    };
+    for (i, v) in variants.iter().enumerate() {
+        let f = &figures[i];
+        row(&[
+            &label(v),
+            &format!("{:.0}", f.throughput.median()),
+            &format!("{:.0} µs", f.p50.median()),
+            &format!("{:.0} µs", f.p99.median()),
+            &format!("{:.1} µs", f.cpu.median()),
+        ]);
+    }
+    println!(
+        "\nRedis round trip (one EVALSHA, one connection, median): {:.0} µs\n",
+        rtt.median()
+    );
+    row(&["ratio", "min / median / max"]);
+    row(&["---", "---"]);
+    let idx = |name: &str, path: Path| {
+        variants
+            .iter()
+            .position(|(n, p)| *n == name && *p == path)
+            .unwrap()
+    };
+    let t = |name, path| &figures[idx(name, path)].throughput;
+    let c = |name, path| &figures[idx(name, path)].cpu;
+    let p50 = |name, path| &figures[idx(name, path)].p50;
+    row(&[
+        "throughput: ours (memory) / no layer",
+        &t("memory", Path::Execute)
+            .ratio(t("none", Path::Execute))
+            .fmt_ratio(),
+    ]);
+    row(&[
+        "throughput: ours (Redis) / no layer",
+        &t("redis", Path::Execute)
+            .ratio(t("none", Path::Execute))
+            .fmt_ratio(),
+    ]);
+    row(&[
+        "throughput: ours (memory) / axum-idempotent (moka), execute",
+        &t("memory", Path::Execute)
+            .ratio(t("peer", Path::Execute))
+            .fmt_ratio(),
+    ]);
+    row(&[
+        "throughput: ours (memory) / axum-idempotent (moka), replay",
+        &t("memory", Path::Replay)
+            .ratio(t("peer", Path::Replay))
+            .fmt_ratio(),
+    ]);
+    row(&[
+        "throughput: replay / execute, ours (memory)",
+        &t("memory", Path::Replay)
+            .ratio(t("memory", Path::Execute))
+            .fmt_ratio(),
+    ]);
+    row(&[
+        "throughput: replay / execute, ours (Redis)",
+        &t("redis", Path::Replay)
+            .ratio(t("redis", Path::Execute))
+            .fmt_ratio(),
+    ]);
+    let diff = |a: &Series, b: &Series| Series(a.0.iter().zip(&b.0).map(|(x, y)| x - y).collect());
+    let added_cpu = diff(c("redis", Path::Execute), c("none", Path::Execute));
+    println!();
+    row(&[
+        "added by the layer on Redis, per request",
+        "min / median / max",
+    ]);
+    row(&["---", "---"]);
+    row(&[
+        "server CPU (µs)",
+        &format!(
+            "{:.1} / {:.1} / {:.1}",
+            added_cpu.min(),
+            added_cpu.median(),
+            added_cpu.max()
+        ),
+    ]);
+    let added_p50 = diff(p50("redis", Path::Execute), p50("none", Path::Execute));
+    let two_rtt = Series(rtt.0.iter().map(|r| 2.0 * r).collect());
+    row(&[
+        "p50 latency (µs)",
+        &format!(
+            "{:.0} / {:.0} / {:.0}",
+            added_p50.min(),
+            added_p50.median(),
+            added_p50.max()
+        ),
+    ]);
+    row(&[
+        "two Redis round trips (µs)",
+        &format!(
+            "{:.0} / {:.0} / {:.0}",
+            two_rtt.min(),
+            two_rtt.median(),
+            two_rtt.max()
+        ),
+    ]);
+    let added_mem_cpu = diff(c("memory", Path::Execute), c("none", Path::Execute));
+    row(&[
+        "server CPU, memory store (µs)",
+        &format!(
+            "{:.1} / {:.1} / {:.1}",
+            added_mem_cpu.min(),
+            added_mem_cpu.median(),
+            added_mem_cpu.max()
+        ),
+    ]);
+}
