@@ -4,6 +4,7 @@
 //! ```sh
 //! cargo run --example signup                                 # in-memory store, 127.0.0.1:3000
 //! REDIS_URL=redis://127.0.0.1:6379/ BIND=127.0.0.1:3001 cargo run --example signup
+//! IDEMPOTENCY=off cargo run --example signup                 # no layer: see the duplicates
 //! curl -i -X POST localhost:3000/signup -H 'content-type: application/json' \
 //!      -d '{"phone":"+15550100","name":"Ada"}'
 //! ```
@@ -24,12 +25,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
     let store = signup_app::store_from_env()?;
     let users = signup_app::Users::with_work(Duration::from_millis(300));
-    let app = signup_app::app(store.clone(), users)?;
+    let protected = std::env::var("IDEMPOTENCY").map_or(true, |v| v != "off");
+    let app = if protected {
+        signup_app::app(store.clone(), users)?
+    } else {
+        signup_app::unprotected(users)
+    };
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     println!(
         "signup service on http://{} (idempotency store: {})",
         listener.local_addr()?,
-        store.describe()
+        if protected {
+            store.describe()
+        } else {
+            "none, IDEMPOTENCY=off".into()
+        }
     );
     println!(
         "try: curl -i -X POST http://{}/signup -H 'content-type: application/json' -d '{{\"phone\":\"+15550100\",\"name\":\"Ada\"}}'",
