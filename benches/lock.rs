@@ -22,14 +22,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use common::ops::{UNLOCK, ours_pair, raw_pair, rslock_pair, scripts_pair};
 use common::{Mode, Series, percentile_us, row};
 use distlock::{LockClient, LockConfig};
 use futures_util::StreamExt;
-use redis::aio::MultiplexedConnection;
 use testkit::RedisServer;
 
 const TASKS: usize = 64;
-const UNLOCK: &str = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end";
 
 /// Operations per second of `op`, run back to back for `window` after a warm-up.
 async fn sequential<F, Fut>(mode: Mode, mut op: F) -> f64
@@ -81,66 +80,6 @@ where
         t.await.unwrap();
     }
     count.load(Ordering::Relaxed) as f64 / mode.window.as_secs_f64()
-}
-
-async fn raw_pair(
-    conn: &mut MultiplexedConnection,
-    script: &redis::Script,
-    key: &str,
-    token: &str,
-) {
-    let set: Option<String> = redis::cmd("SET")
-        .arg(key)
-        .arg(token)
-        .arg("NX")
-        .arg("PX")
-        .arg(10_000)
-        .query_async(conn)
-        .await
-        .unwrap();
-    assert!(set.is_some(), "uncontended");
-    let released: i64 = script.key(key).arg(token).invoke_async(conn).await.unwrap();
-    assert_eq!(released, 1);
-}
-
-/// Our two scripts sent with the plain client: the server-side cost of fencing and
-/// notifications, without any of the client-side machinery.
-async fn scripts_pair(
-    conn: &mut MultiplexedConnection,
-    acquire: &redis::Script,
-    release: &redis::Script,
-    key: &str,
-) {
-    let fence: i64 = acquire
-        .key(format!("{{{key}}}"))
-        .key(format!("{{{key}}}:state"))
-        .arg("token")
-        .arg(10_000)
-        .arg(0)
-        .invoke_async(conn)
-        .await
-        .unwrap();
-    assert!(fence >= 1);
-    let released: i64 = release
-        .key(format!("{{{key}}}"))
-        .arg("token")
-        .invoke_async(conn)
-        .await
-        .unwrap();
-    assert_eq!(released, 1);
-}
-
-async fn ours_pair(lock: &distlock::Lock) {
-    let guard = lock.try_acquire().await.unwrap();
-    assert!(guard.release().await.unwrap());
-}
-
-async fn rslock_pair(manager: &rslock::LockManager, key: &str) {
-    let lock = manager
-        .lock(key.as_bytes(), Duration::from_secs(10))
-        .await
-        .unwrap();
-    manager.unlock(&lock).await;
 }
 
 /// Client requests seen by `MONITOR` while `work` runs (commands issued by scripts excluded).

@@ -6,6 +6,8 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod ops;
+
 use std::time::Duration;
 
 /// How long and how often to measure.

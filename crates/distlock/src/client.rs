@@ -487,6 +487,12 @@ impl LockClientBuilder {
     ) -> Result<(redis::Client, redis::aio::ConnectionManager), ConfigError> {
         let client = redis::Client::open(url)
             .map_err(|e| ConfigError::invalid("url", format!("{url:?}: {e}")))?;
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(ConfigError::invalid(
+                "runtime",
+                "connecting starts background tasks: call this inside a Tokio runtime (#[tokio::main], or Runtime::enter)",
+            ));
+        }
         let timeout = self.config.op_timeout();
         // Our own per-command timeout applies; the manager's default of 500 ms would cut
         // longer ones (WAIT, slow networks) short.
@@ -563,5 +569,31 @@ impl LockClientBuilder {
     /// ```
     pub fn memory(self, limits: MemoryLimits) -> LockClient {
         self.build(Arc::new(MemoryBackend::new(limits)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LockClient;
+
+    #[test]
+    fn connecting_outside_a_runtime_is_a_config_error_not_a_panic() {
+        let err = LockClient::builder()
+            .connect("redis://127.0.0.1:1/")
+            .expect_err("no runtime");
+        assert!(err.to_string().contains("Tokio runtime"), "{err}");
+        let err = LockClient::builder()
+            .connect_redlock(&["redis://127.0.0.1:1/", "redis://127.0.0.1:2/"])
+            .expect_err("no runtime");
+        assert!(err.to_string().contains("Tokio runtime"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn connecting_inside_a_runtime_is_lazy_and_succeeds() {
+        // Nothing listens on port 1: connecting is lazy, so building still succeeds.
+        let client = LockClient::builder()
+            .connect("redis://127.0.0.1:1/")
+            .unwrap();
+        assert!(client.store().contains("127.0.0.1:1"), "{}", client.store());
     }
 }
