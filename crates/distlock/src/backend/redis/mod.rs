@@ -220,30 +220,35 @@ impl<C: Conn> RedisBackend<C> {
     /// An exclusive acquisition without a fencing token: `SET NX PX`, and `PTTL` for the case
     /// it is held, in one round trip and no script.
     async fn acquire_unfenced(&self, op: &Op) -> Result<Attempt, LockError> {
+        // One command when the lock is free (the common case); the holder's remaining lease,
+        // which paces waiting, costs a second one only when it is not.
         let key = op.name.lock_key();
-        let mut pipe = redis::pipe();
-        pipe.cmd("SET")
+        let mut conn = self.conn.clone();
+        let set: Option<redis::Value> = redis::cmd("SET")
             .arg(key)
             .arg(op.token.as_str())
             .arg("NX")
             .arg("PX")
             .arg(millis(op.lease))
-            .cmd("PTTL")
-            .arg(key);
-        let mut conn = self.conn.clone();
-        let (set, pttl): (Option<String>, i64) = pipe
             .query_async(&mut conn)
             .await
             .map_err(|e| LockError::from_redis(op.name.as_str(), true, e))?;
-        Ok(match set {
-            Some(_) => Attempt::Acquired { fence: 0 },
-            None => Attempt::Held {
-                ttl: match pttl {
-                    -1 => None,
-                    p => Some(Duration::from_millis(p.max(0) as u64)),
-                },
-                tag: None,
+        if set.is_some() {
+            return Ok(Attempt::Acquired { fence: 0 });
+        }
+        let pttl: i64 = redis::cmd("PTTL")
+            .arg(key)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| LockError::from_redis(op.name.as_str(), false, e))?;
+        Ok(Attempt::Held {
+            ttl: match pttl {
+                // Expired between the two commands (-2), or no expiry at all (-1).
+                -2 => Some(Duration::ZERO),
+                -1 => None,
+                p => Some(Duration::from_millis(p.max(0) as u64)),
             },
+            tag: None,
         })
     }
 
