@@ -129,16 +129,7 @@ impl Server {
 
     /// User + system CPU time of the server process so far.
     fn cpu(&self) -> Duration {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap();
-        let fields: Vec<&str> = stat
-            .rsplit(')')
-            .next()
-            .unwrap()
-            .split_whitespace()
-            .collect();
-        // After the command name: state is field 3, utime 14 and stime 15 (1-based, overall).
-        let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
-        Duration::from_millis(ticks * 10)
+        process_cpu(&self.child.id().to_string())
     }
 }
 
@@ -213,13 +204,20 @@ struct Load {
 }
 
 /// Closed-loop load at `CONCURRENCY` for the mode's window after its warm-up.
-async fn load(mode: Mode, server: &Server, path: Path, cookies: &[String], tag: &str) -> Load {
+async fn load(
+    mode: Mode,
+    server: &Server,
+    path: Path,
+    cookies: &[String],
+    tag: &str,
+    connections: usize,
+) -> Load {
     let start = Instant::now();
     let measure_from = start + mode.warmup;
     let end = measure_from + mode.window;
     let cpu_before = Arc::new(std::sync::Mutex::new(None));
     let mut workers = Vec::new();
-    for w in 0..CONCURRENCY {
+    for w in 0..connections {
         let addr = server.addr;
         let cookie = cookies.get(w).cloned();
         let tag = tag.to_owned();
@@ -268,8 +266,33 @@ async fn load(mode: Mode, server: &Server, path: Path, cookies: &[String], tag: 
     }
 }
 
-/// Median round trip of one EVALSHA on one connection: what a Redis round trip costs here.
-async fn redis_rtt(server: &RedisServer) -> f64 {
+/// User + system CPU time of process `pid` (`self` for this one) so far, from /proc.
+fn process_cpu(pid: &str) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    // After the command name: state is field 3, utime 14 and stime 15 (1-based, overall).
+    // In clock ticks of 10 ms (USER_HZ is 100 on Linux).
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    Duration::from_millis(ticks * 10)
+}
+
+/// A Redis round trip here, measured with the plain redis client on one connection: the
+/// median latency of one EVALSHA, and the client's CPU time per EVALSHA (this process,
+/// otherwise idle meanwhile).
+/// Enough EVALSHAs for the 10 ms CPU clock to resolve below a microsecond per call.
+const RTT_SAMPLES: u32 = 20_000;
+
+struct Rtt {
+    latency_us: f64,
+    client_cpu_us: f64,
+}
+
+async fn redis_rtt(server: &RedisServer, calls: u32) -> Rtt {
     let mut conn = server
         .client()
         .get_multiplexed_async_connection()
@@ -277,12 +300,17 @@ async fn redis_rtt(server: &RedisServer) -> f64 {
         .unwrap();
     let script = redis::Script::new("return redis.call('GET', KEYS[1])");
     let mut samples = Vec::new();
-    for _ in 0..500 {
+    let _: Option<String> = script.key("rtt").invoke_async(&mut conn).await.unwrap();
+    let cpu = process_cpu("self");
+    for _ in 0..calls {
         let t = Instant::now();
         let _: Option<String> = script.key("rtt").invoke_async(&mut conn).await.unwrap();
         samples.push(t.elapsed());
     }
-    percentile_us(&mut samples, 50.0)
+    Rtt {
+        latency_us: percentile_us(&mut samples, 50.0),
+        client_cpu_us: (process_cpu("self") - cpu).as_secs_f64() * 1e6 / f64::from(calls),
+    }
 }
 
 #[derive(Default)]
@@ -347,10 +375,28 @@ async fn drive(mode: Mode) {
     }
 
     let mut figures: Vec<Figures> = variants.iter().map(|_| Figures::default()).collect();
-    let mut rtt = Series::default();
+    let (mut rtt, mut rtt_cpu) = (Series::default(), Series::default());
+    // One connection, execute: latency without queueing.
+    let single_variants = ["none", "memory", "redis"];
+    let mut single: Vec<Figures> = single_variants.iter().map(|_| Figures::default()).collect();
     for round in 0..mode.rounds {
         eprintln!("round {}/{}", round + 1, mode.rounds);
-        rtt.push(redis_rtt(&redis).await);
+        let r = redis_rtt(&redis, if mode.full { RTT_SAMPLES } else { 500 }).await;
+        rtt.push(r.latency_us);
+        rtt_cpu.push(r.client_cpu_us);
+        for (i, name) in single_variants.iter().enumerate() {
+            let l = load(
+                mode,
+                server(name),
+                Path::Execute,
+                &[],
+                &format!("r{round}{name}1"),
+                1,
+            )
+            .await;
+            single[i].p50.push(l.p50_us);
+            single[i].cpu.push(l.cpu_us_per_request);
+        }
         for (i, (name, path)) in variants.iter().enumerate() {
             let cookies: &[String] = if *name == "peer" { &peer_cookies } else { &[] };
             let l = load(
@@ -359,6 +405,7 @@ async fn drive(mode: Mode) {
                 *path,
                 cookies,
                 &format!("r{round}{name}"),
+                CONCURRENCY,
             )
             .await;
             figures[i].throughput.push(l.throughput);
@@ -422,7 +469,6 @@ async fn drive(mode: Mode) {
     };
     let t = |name, path| &figures[idx(name, path)].throughput;
     let c = |name, path| &figures[idx(name, path)].cpu;
-    let p50 = |name, path| &figures[idx(name, path)].p50;
     row(&[
         "throughput: ours (memory) / no layer",
         &t("memory", Path::Execute)
@@ -460,50 +506,54 @@ async fn drive(mode: Mode) {
             .fmt_ratio(),
     ]);
     let diff = |a: &Series, b: &Series| Series(a.0.iter().zip(&b.0).map(|(x, y)| x - y).collect());
+    let span = |s: &Series| format!("{:.1} / {:.1} / {:.1}", s.min(), s.median(), s.max());
+    let two_rtt = Series(rtt.0.iter().map(|r| 2.0 * r).collect());
+    let two_rtt_cpu = Series(rtt_cpu.0.iter().map(|r| 2.0 * r).collect());
     let added_cpu = diff(c("redis", Path::Execute), c("none", Path::Execute));
+    let added_mem_cpu = diff(c("memory", Path::Execute), c("none", Path::Execute));
+    let added_p50_1 = diff(&single[2].p50, &single[0].p50);
+    let added_mem_p50_1 = diff(&single[1].p50, &single[0].p50);
     println!();
-    row(&[
-        "added by the layer on Redis, per request",
-        "min / median / max",
-    ]);
+    row(&["added by the layer, per request (µs)", "min / median / max"]);
     row(&["---", "---"]);
     row(&[
-        "server CPU (µs)",
-        &format!(
-            "{:.1} / {:.1} / {:.1}",
-            added_cpu.min(),
-            added_cpu.median(),
-            added_cpu.max()
-        ),
-    ]);
-    let added_p50 = diff(p50("redis", Path::Execute), p50("none", Path::Execute));
-    let two_rtt = Series(rtt.0.iter().map(|r| 2.0 * r).collect());
-    row(&[
-        "p50 latency (µs)",
-        &format!(
-            "{:.0} / {:.0} / {:.0}",
-            added_p50.min(),
-            added_p50.median(),
-            added_p50.max()
-        ),
+        "p50 latency at one connection, no layer",
+        &span(&single[0].p50),
     ]);
     row(&[
-        "two Redis round trips (µs)",
-        &format!(
-            "{:.0} / {:.0} / {:.0}",
-            two_rtt.min(),
-            two_rtt.median(),
-            two_rtt.max()
-        ),
+        "p50 latency added at one connection, memory store",
+        &span(&added_mem_p50_1),
     ]);
-    let added_mem_cpu = diff(c("memory", Path::Execute), c("none", Path::Execute));
     row(&[
-        "server CPU, memory store (µs)",
-        &format!(
-            "{:.1} / {:.1} / {:.1}",
-            added_mem_cpu.min(),
-            added_mem_cpu.median(),
-            added_mem_cpu.max()
-        ),
+        "p50 latency added at one connection, Redis store",
+        &span(&added_p50_1),
+    ]);
+    row(&[
+        "two Redis round trips (2 × median EVALSHA, plain client)",
+        &span(&two_rtt),
+    ]);
+    row(&[
+        "Redis store: added latency beyond the two round trips",
+        &span(&diff(&added_p50_1, &two_rtt)),
+    ]);
+    row(&[
+        &format!("server CPU added at {CONCURRENCY} connections, memory store"),
+        &span(&added_mem_cpu),
+    ]);
+    row(&[
+        &format!("server CPU added at {CONCURRENCY} connections, Redis store"),
+        &span(&added_cpu),
+    ]);
+    row(&[
+        "CPU the plain redis client spends on two EVALSHAs",
+        &span(&two_rtt_cpu),
+    ]);
+    row(&[
+        "Redis store: added CPU beyond the redis client's two calls",
+        &span(&diff(&added_cpu, &two_rtt_cpu)),
+    ]);
+    row(&[
+        "server CPU added at one connection, Redis store",
+        &span(&diff(&single[2].cpu, &single[0].cpu)),
     ]);
 }

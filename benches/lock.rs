@@ -83,7 +83,7 @@ where
 }
 
 /// Client requests seen by `MONITOR` while `work` runs (commands issued by scripts excluded).
-async fn count_commands<Fut: Future<Output = u64>>(server: &RedisServer, work: Fut) -> (u64, u64) {
+async fn count_commands<T, Fut: Future<Output = T>>(server: &RedisServer, work: Fut) -> (u64, T) {
     let monitor = server.client().get_async_monitor().await.unwrap();
     let counted = Arc::new(AtomicU64::new(0));
     let counter = {
@@ -98,49 +98,56 @@ async fn count_commands<Fut: Future<Output = u64>>(server: &RedisServer, work: F
         })
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let sections = work.await;
+    let out = work.await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     counter.abort();
-    (counted.load(Ordering::Relaxed), sections)
+    (counted.load(Ordering::Relaxed), out)
 }
 
+/// Figures of one contention window.
+#[derive(Default)]
 struct Contention {
-    sections_per_s: f64,
-    p99_wait_us: f64,
+    sections_per_s: Series,
+    p99_wait_us: Series,
+    commands_per_section: Series,
 }
 
-/// 64 tasks take one lock in turn for `window`: sections per second and the p99 wait.
-async fn contend<F, Fut>(window: Duration, acquire_release: F) -> (Contention, u64)
-where
-    F: Fn() -> Fut + Clone + Send + 'static,
-    Fut: Future<Output = ()> + Send,
-{
-    let end = Instant::now() + window;
-    let mut tasks = Vec::new();
-    for _ in 0..TASKS {
-        let f = acquire_release.clone();
-        tasks.push(tokio::spawn(async move {
+impl Contention {
+    /// 64 tasks take one lock in turn for `window`, each looping on `acquire_release`; the
+    /// commands the server receives meanwhile are counted.
+    async fn round<F, Fut>(&mut self, server: &RedisServer, window: Duration, acquire_release: F)
+    where
+        F: Fn() -> Fut + Clone + Send + 'static,
+        Fut: Future<Output = ()> + Send,
+    {
+        let (commands, mut waits) = count_commands(server, async {
+            let end = Instant::now() + window;
+            let mut tasks = Vec::new();
+            for _ in 0..TASKS {
+                let f = acquire_release.clone();
+                tasks.push(tokio::spawn(async move {
+                    let mut waits = Vec::new();
+                    while Instant::now() < end {
+                        let t = Instant::now();
+                        f().await;
+                        waits.push(t.elapsed());
+                    }
+                    waits
+                }));
+            }
             let mut waits = Vec::new();
-            while Instant::now() < end {
-                let t = Instant::now();
-                f().await;
-                waits.push(t.elapsed());
+            for t in tasks {
+                waits.extend(t.await.unwrap());
             }
             waits
-        }));
+        })
+        .await;
+        let sections = waits.len() as f64;
+        self.sections_per_s.push(sections / window.as_secs_f64());
+        self.p99_wait_us.push(percentile_us(&mut waits, 99.0));
+        self.commands_per_section
+            .push(commands as f64 / sections.max(1.0));
     }
-    let mut waits = Vec::new();
-    for t in tasks {
-        waits.extend(t.await.unwrap());
-    }
-    let sections = waits.len() as u64;
-    (
-        Contention {
-            sections_per_s: sections as f64 / window.as_secs_f64(),
-            p99_wait_us: percentile_us(&mut waits, 99.0),
-        },
-        sections,
-    )
 }
 
 fn main() {
@@ -285,37 +292,25 @@ async fn run(mode: Mode) {
         );
     }
 
-    // Contention: one window each, with commands counted.
+    // Contention, in rounds too: one window each.
     let window = mode.window * 2;
-    let lock = ours_notified.lock("hot").unwrap();
-    let (ours_cmds, (ours_cont, ours_sections)) = {
-        let (cmds, (c, s)) = {
-            let mut out = None;
-            let (cmds, sections) = count_commands(&server, async {
+    let hot = ours_notified.lock("hot").unwrap();
+    let (mut ours_cont, mut rs_cont) = (Contention::default(), Contention::default());
+    for round in 0..mode.rounds {
+        eprintln!("contention round {}/{}", round + 1, mode.rounds);
+        let lock = hot.clone();
+        ours_cont
+            .round(&server, window, move || {
                 let lock = lock.clone();
-                let r = contend(window, move || {
-                    let lock = lock.clone();
-                    async move {
-                        let g = lock.acquire(Duration::from_secs(30)).await.unwrap();
-                        g.release().await.unwrap();
-                    }
-                })
-                .await;
-                let s = r.1;
-                out = Some(r);
-                s
+                async move {
+                    let g = lock.acquire(Duration::from_secs(30)).await.unwrap();
+                    g.release().await.unwrap();
+                }
             })
             .await;
-            let _ = sections;
-            (cmds, out.unwrap())
-        };
-        (cmds, (c, s))
-    };
-    let (rs_cmds, (rs_cont, rs_sections)) = {
-        let mut out = None;
-        let (cmds, _) = count_commands(&server, async {
-            let manager = rs1.clone();
-            let r = contend(window, move || {
+        let manager = rs1.clone();
+        rs_cont
+            .round(&server, window, move || {
                 let manager = manager.clone();
                 async move {
                     let guard = manager
@@ -326,13 +321,7 @@ async fn run(mode: Mode) {
                 }
             })
             .await;
-            let s = r.1;
-            out = Some(r);
-            s
-        })
-        .await;
-        (cmds, out.unwrap())
-    };
+    }
 
     println!(
         "\n## Lock ({} rounds × {:?} per variant; {})\n",
@@ -440,29 +429,53 @@ async fn run(mode: Mode) {
         "",
         &latency(&unf_rl).ratio(&latency(&rs_rl)).fmt_ratio(),
     ]);
-    println!("\n### Contention: {TASKS} tasks on one key, {window:?}\n");
-    row(&["", "sections/s", "p99 wait", "commands per section"]);
-    row(&["---", "---", "---", "---"]);
+    println!("\n### Contention: {TASKS} tasks on one key, {window:?} per round\n");
     row(&[
+        "figure",
         "ours",
-        &format!("{:.0}", ours_cont.sections_per_s),
-        &format!("{:.0} µs", ours_cont.p99_wait_us),
-        &format!("{:.2}", ours_cmds as f64 / ours_sections.max(1) as f64),
-    ]);
-    row(&[
         "rslock",
-        &format!("{:.0}", rs_cont.sections_per_s),
-        &format!("{:.0} µs", rs_cont.p99_wait_us),
-        &format!("{:.2}", rs_cmds as f64 / rs_sections.max(1) as f64),
+        "ours / rslock, min / median / max",
     ]);
-    row(&[
-        "ours / rslock",
-        &format!("{:.2}", ours_cont.sections_per_s / rs_cont.sections_per_s),
-        &format!("{:.2}", ours_cont.p99_wait_us / rs_cont.p99_wait_us),
-        &format!(
-            "{:.2}",
-            (ours_cmds as f64 / ours_sections.max(1) as f64)
-                / (rs_cmds as f64 / rs_sections.max(1) as f64)
+    row(&["---", "---", "---", "---"]);
+    for (name, unit, ours, theirs) in [
+        (
+            "critical sections per second",
+            "/s",
+            &ours_cont.sections_per_s,
+            &rs_cont.sections_per_s,
         ),
+        (
+            "p99 wait",
+            "µs",
+            &ours_cont.p99_wait_us,
+            &rs_cont.p99_wait_us,
+        ),
+    ] {
+        row(&[
+            name,
+            &ours.fmt_abs(unit),
+            &theirs.fmt_abs(unit),
+            &ours.ratio(theirs).fmt_ratio(),
+        ]);
+    }
+    let (ours, theirs) = (
+        &ours_cont.commands_per_section,
+        &rs_cont.commands_per_section,
+    );
+    row(&[
+        "Redis commands per critical section",
+        &format!(
+            "{:.2} (min {:.2}, max {:.2})",
+            ours.median(),
+            ours.min(),
+            ours.max()
+        ),
+        &format!(
+            "{:.2} (min {:.2}, max {:.2})",
+            theirs.median(),
+            theirs.min(),
+            theirs.max()
+        ),
+        &ours.ratio(theirs).fmt_ratio(),
     ]);
 }
