@@ -376,14 +376,31 @@ async fn drive(mode: Mode) {
 
     let mut figures: Vec<Figures> = variants.iter().map(|_| Figures::default()).collect();
     let (mut rtt, mut rtt_cpu) = (Series::default(), Series::default());
+    let (mut rtt_mt, mut rtt_mt_cpu) = (Series::default(), Series::default());
     // One connection, execute: latency without queueing.
     let single_variants = ["none", "memory", "redis"];
     let mut single: Vec<Figures> = single_variants.iter().map(|_| Figures::default()).collect();
     for round in 0..mode.rounds {
         eprintln!("round {}/{}", round + 1, mode.rounds);
-        let r = redis_rtt(&redis, if mode.full { RTT_SAMPLES } else { 500 }).await;
+        let calls = if mode.full { RTT_SAMPLES } else { 500 };
+        let r = redis_rtt(&redis, calls).await;
         rtt.push(r.latency_us);
         rtt_cpu.push(r.client_cpu_us);
+        // The same on a multi-thread runtime, as the servers run: its wake-ups cost more.
+        let r = std::thread::scope(|s| {
+            s.spawn(|| {
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .unwrap()
+                    .block_on(redis_rtt(&redis, calls))
+            })
+            .join()
+            .unwrap()
+        });
+        rtt_mt.push(r.latency_us);
+        rtt_mt_cpu.push(r.client_cpu_us);
         for (i, name) in single_variants.iter().enumerate() {
             let l = load(
                 mode,
@@ -508,7 +525,10 @@ async fn drive(mode: Mode) {
     let diff = |a: &Series, b: &Series| Series(a.0.iter().zip(&b.0).map(|(x, y)| x - y).collect());
     let span = |s: &Series| format!("{:.1} / {:.1} / {:.1}", s.min(), s.median(), s.max());
     let two_rtt = Series(rtt.0.iter().map(|r| 2.0 * r).collect());
-    let two_rtt_cpu = Series(rtt_cpu.0.iter().map(|r| 2.0 * r).collect());
+    let twice = |s: &Series| Series(s.0.iter().map(|r| 2.0 * r).collect());
+    let two_rtt_cpu = twice(&rtt_cpu);
+    let two_rtt_mt = twice(&rtt_mt);
+    let two_rtt_mt_cpu = twice(&rtt_mt_cpu);
     let added_cpu = diff(c("redis", Path::Execute), c("none", Path::Execute));
     let added_mem_cpu = diff(c("memory", Path::Execute), c("none", Path::Execute));
     let added_p50_1 = diff(&single[2].p50, &single[0].p50);
@@ -529,12 +549,16 @@ async fn drive(mode: Mode) {
         &span(&added_p50_1),
     ]);
     row(&[
-        "two Redis round trips (2 × median EVALSHA, plain client)",
+        "two Redis round trips (2 × median EVALSHA, plain client, current-thread runtime)",
         &span(&two_rtt),
     ]);
     row(&[
-        "Redis store: added latency beyond the two round trips",
-        &span(&diff(&added_p50_1, &two_rtt)),
+        "two Redis round trips (the same, multi-thread runtime like the servers)",
+        &span(&two_rtt_mt),
+    ]);
+    row(&[
+        "Redis store: added latency beyond the two round trips (multi-thread)",
+        &span(&diff(&added_p50_1, &two_rtt_mt)),
     ]);
     row(&[
         &format!("server CPU added at {CONCURRENCY} connections, memory store"),
@@ -545,15 +569,28 @@ async fn drive(mode: Mode) {
         &span(&added_cpu),
     ]);
     row(&[
-        "CPU the plain redis client spends on two EVALSHAs",
-        &span(&two_rtt_cpu),
+        "Redis store minus memory store: the two calls' CPU at 32 connections",
+        &span(&diff(&added_cpu, &added_mem_cpu)),
     ]);
+    let added_cpu_1 = diff(&single[2].cpu, &single[0].cpu);
     row(&[
-        "Redis store: added CPU beyond the redis client's two calls",
-        &span(&diff(&added_cpu, &two_rtt_cpu)),
+        "server CPU added at one connection, memory store",
+        &span(&diff(&single[1].cpu, &single[0].cpu)),
     ]);
     row(&[
         "server CPU added at one connection, Redis store",
-        &span(&diff(&single[2].cpu, &single[0].cpu)),
+        &span(&added_cpu_1),
+    ]);
+    row(&[
+        "plain client CPU for two sequential EVALSHAs, current-thread runtime",
+        &span(&two_rtt_cpu),
+    ]);
+    row(&[
+        "plain client CPU for two sequential EVALSHAs, multi-thread runtime",
+        &span(&two_rtt_mt_cpu),
+    ]);
+    row(&[
+        "Redis store, one connection: added CPU beyond the plain client's two calls (multi-thread)",
+        &span(&diff(&added_cpu_1, &two_rtt_mt_cpu)),
     ]);
 }
