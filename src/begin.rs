@@ -9,11 +9,12 @@ use distlock::{Begin, OnceGuard};
 use http::{Request, Response, header};
 use http_body::Body;
 
-use crate::body::read_request;
+use crate::body::{BoxError, RequestBody, ResponseBody, read_request};
 use crate::fingerprint::fingerprint;
 use crate::layer::{Config, OnConflict};
-use crate::metrics::{Outcome, count, store_latency};
-use crate::replay::replay;
+use crate::metrics::{Event, count, store_latency};
+use crate::outcome::DecisionCell;
+use crate::replay::{problem, replay};
 use crate::scope::store_name;
 use crate::{IdempotencyContext, Rejection};
 
@@ -23,42 +24,68 @@ pub(crate) struct Run {
     pub(crate) guard: OnceGuard,
     pub(crate) fingerprint: [u8; 32],
     pub(crate) config: Arc<Config>,
+    /// The handler's decision through its context, if it made one.
+    pub(crate) decision: Arc<DecisionCell>,
     /// The request's span, entered again while the outcome is stored.
     pub(crate) span: tracing::Span,
 }
 
 /// What to do with a request.
-pub(crate) enum Decision<B> {
+pub(crate) enum Decision<B, R> {
     /// Answer without the handler: a rejection or a replay.
-    Respond(Response<Bytes>),
+    Respond(Response<ResponseBody<R>>),
     /// Call the handler, under a lease (`Some`) or unprotected (`None`).
     Run {
-        request: Request<B>,
+        request: Request<RequestBody<B>>,
         run: Option<Box<Run>>,
     },
 }
 
-fn reject<B>(rejection: Rejection) -> Decision<B> {
+fn reject<B, R>(rejection: Rejection) -> Decision<B, R> {
     tracing::debug!(%rejection, "idempotency: rejected");
     count(match rejection {
-        Rejection::Conflict { .. } => Outcome::Conflict,
-        Rejection::KeyReused => Outcome::Mismatch,
-        Rejection::StoreUnavailable { .. } => Outcome::StoreError,
-        _ => Outcome::Rejected,
+        Rejection::Conflict { .. } => Event::Conflict,
+        Rejection::KeyReused => Event::Mismatch,
+        Rejection::StoreUnavailable { .. } => Event::StoreError,
+        _ => Event::Rejected,
     });
-    Decision::Respond(rejection.to_response())
+    Decision::Respond(problem(&rejection))
 }
 
-pub(crate) async fn begin<B>(
+fn unprotected<B, R>(parts: http::request::Parts, body: RequestBody<B>) -> Decision<B, R> {
+    count(Event::Passthrough);
+    Decision::Run {
+        request: Request::from_parts(parts, body),
+        run: None,
+    }
+}
+
+pub(crate) async fn begin<B, R>(
     config: Arc<Config>,
     request: Request<B>,
     span: tracing::Span,
-) -> Decision<B>
+) -> Decision<B, R>
 where
-    B: Body + From<Bytes> + Send,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: Body + Send,
+    B::Error: Into<BoxError>,
 {
     let (mut parts, body) = request.into_parts();
+    // A key that does not come from the body is checked before the body is read: a keyless
+    // request is refused at once, not after a slow upload.
+    let early_key = if config.key.needs_body() {
+        None
+    } else {
+        match config.key.extract(&parts, &Bytes::new()) {
+            Ok(Some(key)) => Some(key),
+            Ok(None) if config.key_required => {
+                return reject(Rejection::MissingKey {
+                    source: config.key.describe(),
+                });
+            }
+            Ok(None) => return unprotected(parts, RequestBody::new(body)),
+            Err(rejection) => return reject(rejection),
+        }
+    };
     let declared = parts
         .headers
         .get(header::CONTENT_LENGTH)
@@ -73,22 +100,25 @@ where
         Ok(bytes) => bytes,
         Err(rejection) => return reject(rejection),
     };
-    let key = match config.key.extract(&parts, &bytes) {
-        Ok(Some(key)) => key,
-        Ok(None) if config.key_required => {
-            return reject(Rejection::MissingKey {
-                source: config.key.describe(),
-            });
-        }
-        Ok(None) => {
-            count(Outcome::Passthrough);
-            return Decision::Run {
-                request: Request::from_parts(parts, B::from(bytes)),
-                run: None,
-            };
-        }
-        Err(rejection) => return reject(rejection),
+    let key = match early_key {
+        Some(key) => key,
+        None => match config.key.extract(&parts, &bytes) {
+            Ok(Some(key)) => key,
+            Ok(None) if config.key_required => {
+                return reject(Rejection::MissingKey {
+                    source: config.key.describe(),
+                });
+            }
+            Ok(None) => return unprotected(parts, RequestBody::buffered(bytes)),
+            Err(rejection) => return reject(rejection),
+        },
     };
+    if tokio::runtime::Handle::try_current().is_err() {
+        tracing::error!("tower-idempotency needs a Tokio runtime: the request is refused");
+        return reject(Rejection::StoreUnavailable {
+            retry_after: config.retry_after,
+        });
+    }
     let name = store_name(&parts, config.principal.as_deref(), &key);
     let fingerprint = fingerprint(&parts, &config.fingerprint_headers, &bytes);
     let once = match config.store.client().once(&name) {
@@ -111,15 +141,19 @@ where
     match began {
         Ok(Begin::Acquired(guard)) => {
             tracing::debug!(key = %name, fence = guard.fence(), "idempotency: running the handler");
-            parts
-                .extensions
-                .insert(IdempotencyContext::protected(name, guard.guard().lease()));
+            let decision = DecisionCell::new();
+            parts.extensions.insert(IdempotencyContext::protected(
+                name,
+                guard.guard().lease(),
+                decision.clone(),
+            ));
             Decision::Run {
-                request: Request::from_parts(parts, B::from(bytes)),
+                request: Request::from_parts(parts, RequestBody::buffered(bytes)),
                 run: Some(Box::new(Run {
                     guard,
                     fingerprint,
                     config,
+                    decision,
                     span,
                 })),
             }
@@ -147,12 +181,12 @@ where
         }
         Err(error) if config.fail_open => {
             tracing::warn!(key = %name, %error, "idempotency store unavailable: running the handler UNPROTECTED (fail-open)");
-            count(Outcome::FailOpen);
+            count(Event::FailOpen);
             parts
                 .extensions
                 .insert(IdempotencyContext::unprotected(name));
             Decision::Run {
-                request: Request::from_parts(parts, B::from(bytes)),
+                request: Request::from_parts(parts, RequestBody::buffered(bytes)),
                 run: None,
             }
         }

@@ -1,83 +1,107 @@
-//! After the handler: store its response (status, kept headers, body) atomically with the lease
-//! release, only if the lease is still ours; or release without storing.
+//! After the handler: store its outcome atomically with the release of the lease (only if the
+//! lease is still ours), or release without storing.
 
 use std::time::Instant;
 
-use bytes::Bytes;
 use distlock::LockError;
-use http::Response;
-use http_body::Body;
+use http::{HeaderMap, HeaderName, StatusCode};
 
 use crate::begin::Run;
-use crate::body::{Collected, ResponseBody, collect_response};
-use crate::metrics::{Outcome, count, store_latency};
-use crate::record;
-use tracing::Instrument;
+use crate::metrics::{Event, count, store_latency};
+use crate::outcome::UnknownOutcome;
+use crate::record::{Encode, Kind};
 
-pub(crate) async fn complete<B>(run: Box<Run>, response: Response<B>) -> Response<ResponseBody<B>>
-where
-    B: Body<Data = Bytes>,
-{
-    let span = run.span.clone();
-    store(run, response).instrument(span).await
-}
-
-async fn store<B>(run: Box<Run>, response: Response<B>) -> Response<ResponseBody<B>>
-where
-    B: Body<Data = Bytes>,
-{
-    let Run {
-        guard,
-        fingerprint,
-        config,
-        span: _,
-    } = *run;
-    let (parts, body) = response.into_parts();
-    if !(config.store_if)(parts.status) {
-        // Release now, so that a retry right after this response runs the handler again.
-        if let Err(error) = guard.abort().await {
-            tracing::debug!(%error, "idempotency: release failed; the lease will expire");
-        }
-        count(Outcome::NotStored);
-        return Response::from_parts(parts, ResponseBody::inner(body));
-    }
-    let (stored_body, live_body) = match collect_response(body, config.record_limit).await {
-        Ok(Collected::Complete(bytes)) => (Some(bytes.clone()), ResponseBody::full(bytes)),
-        Ok(Collected::TooLarge { read, rest }) => {
+/// Stores a final response: its status, kept headers, body (`None`: over the storage limit,
+/// only the status and headers are kept) and trailers.
+pub(crate) async fn response(
+    run: Run,
+    status: StatusCode,
+    headers: &HeaderMap,
+    body: Option<&[u8]>,
+    trailers: Option<&HeaderMap>,
+) {
+    let kind = match body {
+        Some(_) => Kind::Response,
+        None => {
             tracing::warn!(
-                limit = config.record_limit,
+                limit = run.config.record_limit,
                 "idempotency: response body over the storage limit; storing the outcome without it"
             );
-            (None, ResponseBody::prefixed(read, rest))
-        }
-        Err(error) => {
-            // The handler's body failed: nothing complete to store. Release and pass the error on.
-            let _ = guard.abort().await;
-            count(Outcome::NotStored);
-            return Response::from_parts(parts, ResponseBody::failed(error));
+            Kind::BodyNotKept
         }
     };
-    let record = record::encode(
-        &fingerprint,
-        parts.status,
-        &parts.headers,
-        |name| config.replay_headers.keeps(name),
-        stored_body.as_deref(),
-    );
+    let config = run.config.clone();
+    let record = Encode {
+        fingerprint: &run.fingerprint,
+        kind,
+        status,
+        fence: run.guard.fence(),
+        headers,
+        keep: |name: &HeaderName| config.replay_headers.keeps(name),
+        body: body.unwrap_or_default(),
+        trailers: body.and(trailers),
+    }
+    .to_vec();
+    store(run, &record, Event::Executed).await;
+}
+
+/// The handler started and its outcome cannot be known (`why`): record it or release the key,
+/// as the layer is configured.
+pub(crate) async fn unknown(run: Run, why: &str) {
+    let fence = run.guard.fence();
+    match run.config.unknown_outcome {
+        UnknownOutcome::Release => {
+            tracing::warn!(
+                fence,
+                why,
+                "idempotency: outcome unknown; releasing the key, a retry runs the handler again"
+            );
+            release(run, Event::Unknown).await;
+        }
+        UnknownOutcome::Record => {
+            tracing::warn!(
+                fence,
+                why,
+                "idempotency: outcome unknown; recorded, retries get outcome-unknown"
+            );
+            let record = Encode {
+                fingerprint: &run.fingerprint,
+                kind: Kind::Unknown,
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                fence,
+                headers: &HeaderMap::new(),
+                keep: |_: &HeaderName| false,
+                body: &[],
+                trailers: None,
+            }
+            .to_vec();
+            store(run, &record, Event::Unknown).await;
+        }
+    }
+}
+
+/// Releases the key without storing anything: a retry runs the handler again.
+pub(crate) async fn release(run: Run, event: Event) {
+    if let Err(error) = run.guard.abort().await {
+        tracing::debug!(%error, "idempotency: release failed; the lease will expire");
+    }
+    count(event);
+}
+
+async fn store(run: Run, record: &[u8], event: Event) {
     let started = Instant::now();
-    let fence = guard.fence();
-    let outcome = match guard.complete(&record).await {
-        Ok(()) => Outcome::Executed,
+    let fence = run.guard.fence();
+    let event = match run.guard.complete(record).await {
+        Ok(()) => event,
         Err(LockError::LeaseLost { reason, .. }) => {
             tracing::warn!(fence, %reason, "idempotency: lease lost while the handler ran; outcome NOT stored");
-            Outcome::LeaseLost
+            Event::LeaseLost
         }
         Err(error) => {
             tracing::warn!(fence, %error, "idempotency: could not store the outcome; a retry will run the handler again");
-            Outcome::StoreError
+            Event::StoreError
         }
     };
     store_latency("complete", started.elapsed());
-    count(outcome);
-    Response::from_parts(parts, live_body)
+    count(event);
 }

@@ -1,6 +1,11 @@
 //! What the handler learns about the idempotent execution it runs in.
 
+use std::sync::Arc;
+
 use distlock::LeaseWatch;
+
+use crate::Outcome;
+use crate::outcome::DecisionCell;
 
 /// Inserted into the request extensions before the handler runs (and available as an axum
 /// extractor): the fencing token to pass with the handler's own writes, the lease to watch, and
@@ -20,18 +25,44 @@ use distlock::LeaseWatch;
 pub struct IdempotencyContext {
     key: String,
     lease: Option<LeaseWatch>,
+    decision: Option<Arc<DecisionCell>>,
 }
 
 impl IdempotencyContext {
-    pub(crate) fn protected(key: String, lease: LeaseWatch) -> Self {
+    pub(crate) fn protected(key: String, lease: LeaseWatch, decision: Arc<DecisionCell>) -> Self {
         IdempotencyContext {
             key,
             lease: Some(lease),
+            decision: Some(decision),
         }
     }
 
     pub(crate) fn unprotected(key: String) -> Self {
-        IdempotencyContext { key, lease: None }
+        IdempotencyContext {
+            key,
+            lease: None,
+            decision: None,
+        }
+    }
+
+    /// Decides what a retry may do with this execution's response (see [`Outcome`]): call it
+    /// when the handler knows, for example `Outcome::Retryable` on an error path that committed
+    /// nothing. An [`Outcome`] in the response extensions takes precedence. Without either,
+    /// the layer's default rule decides from the status
+    /// ([`default_outcome`](crate::outcome::default_outcome)). Does nothing when the request runs
+    /// unprotected.
+    ///
+    /// ```
+    /// # fn f(ctx: tower_idempotency::IdempotencyContext) {
+    /// use tower_idempotency::Outcome;
+    /// // The card was declined before anything was booked.
+    /// ctx.set_outcome(Outcome::Retryable);
+    /// # }
+    /// ```
+    pub fn set_outcome(&self, outcome: Outcome) {
+        if let Some(decision) = &self.decision {
+            decision.set(outcome);
+        }
     }
 
     /// The store key (a SHA-256 of the scope and the client's key), useful in logs.

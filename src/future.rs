@@ -1,31 +1,34 @@
-//! The response future: an explicit state machine around the inner service's future.
+//! The response future: an explicit state machine around the begin step, the inner service's
+//! readiness and the protected execution.
 //!
 //! ```text
-//! Beginning ──(reject / replay)──────────────────────────────▶ Done
+//! Beginning ──(reject / replay)──────────────────────────────────────────▶ Done
 //!     │ run (lease taken, or unprotected)
 //!     ▼
-//! Running (the handler) ──(error: lease released on drop)────▶ Done
-//!     │ response
+//! Calling (inner service ready? then call it) ──(unprotected)──▶ Unprotected ─▶ Done
+//!     │ protected: the execution is spawned
 //!     ▼
-//! Completing (store the response, release) ──────────────────▶ Done
+//! Running (await the execution's head; dropping this detaches, never cancels) ──▶ Done
 //! ```
 //!
-//! The lease lives in the state while the handler runs: dropping the future (the client went
-//! away) or a panic in the handler drops it, and dropping it releases the lock in the background.
+//! The inner service is asked for readiness only once the handler is about to be called, so
+//! that a request reading its body or waiting for a duplicate does not pin a `ConcurrencyLimit`
+//! or `Buffer` slot meanwhile (tower's `Oneshot` shape).
 
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
 use pin_project_lite::pin_project;
+use tokio::sync::oneshot;
 use tower_service::Service;
 
+use crate::Rejection;
 use crate::begin::{Decision, Run};
-use crate::body::ResponseBody;
-use crate::metrics::{Outcome, count};
+use crate::body::{AbortOnDrop, BoxError, RequestBody, ResponseBody};
+use crate::execution::{self, Finished, Started};
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
@@ -33,8 +36,7 @@ pin_project! {
     /// Response future of [`Idempotency`](crate::Idempotency).
     pub struct ResponseFuture<S, ReqBody, ResBody>
     where
-        S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-        ResBody: Body,
+        S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     {
         #[pin]
         state: State<S, ReqBody, ResBody>,
@@ -45,28 +47,30 @@ pin_project! {
     #[project = StateProj]
     enum State<S, ReqBody, ResBody>
     where
-        S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-        ResBody: Body,
+        S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     {
-        Passthrough { #[pin] future: S::Future },
-        Beginning { begin: BoxFuture<Decision<ReqBody>>, inner: Option<S> },
-        Running { #[pin] future: S::Future, run: Option<Box<Run>> },
-        Completing { complete: BoxFuture<Response<ResponseBody<ResBody>>> },
+        Beginning { begin: BoxFuture<Decision<ReqBody, ResBody>>, inner: Option<S> },
+        Calling { inner: S, request: Option<Request<RequestBody<ReqBody>>>, run: Option<Box<Run>> },
+        Unprotected { #[pin] future: S::Future },
+        Running {
+            result: oneshot::Receiver<Finished<ResBody, S::Error>>,
+            abort: AbortOnDrop,
+            fence: u64,
+        },
         Done,
     }
 }
 
 impl<S, ReqBody, ResBody> std::fmt::Debug for ResponseFuture<S, ReqBody, ResBody>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    ResBody: Body,
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let state = match &self.state {
-            State::Passthrough { .. } => "Passthrough",
             State::Beginning { .. } => "Beginning",
+            State::Calling { .. } => "Calling",
+            State::Unprotected { .. } => "Unprotected",
             State::Running { .. } => "Running",
-            State::Completing { .. } => "Completing",
             State::Done => "Done",
         };
         f.debug_struct("ResponseFuture")
@@ -77,16 +81,20 @@ where
 
 impl<S, ReqBody, ResBody> ResponseFuture<S, ReqBody, ResBody>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    ResBody: Body,
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
 {
-    pub(crate) fn passthrough(future: S::Future) -> Self {
+    /// Calls `inner` with `request` unprotected, once it is ready.
+    pub(crate) fn passthrough(inner: S, request: Request<RequestBody<ReqBody>>) -> Self {
         ResponseFuture {
-            state: State::Passthrough { future },
+            state: State::Calling {
+                inner,
+                request: Some(request),
+                run: None,
+            },
         }
     }
 
-    pub(crate) fn beginning(begin: BoxFuture<Decision<ReqBody>>, inner: S) -> Self {
+    pub(crate) fn beginning(begin: BoxFuture<Decision<ReqBody, ResBody>>, inner: S) -> Self {
         ResponseFuture {
             state: State::Beginning {
                 begin,
@@ -96,11 +104,18 @@ where
     }
 }
 
+fn respond<B>(rejection: Rejection) -> Response<ResponseBody<B>> {
+    crate::replay::problem(&rejection)
+}
+
 impl<S, ReqBody, ResBody> Future for ResponseFuture<S, ReqBody, ResBody>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Send,
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: Body + Send + 'static,
+    ResBody::Data: Send,
+    ResBody::Error: Into<BoxError>,
 {
     type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
 
@@ -108,46 +123,91 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
-                StateProj::Passthrough { future } => {
+                StateProj::Beginning { begin, inner } => match ready!(begin.as_mut().poll(cx)) {
+                    Decision::Respond(response) => {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Ok(response));
+                    }
+                    Decision::Run { request, run } => {
+                        let Some(inner) = inner.take() else {
+                            this.state.set(State::Done);
+                            return Poll::Ready(Ok(respond(Rejection::StoreUnavailable {
+                                retry_after: std::time::Duration::from_secs(1),
+                            })));
+                        };
+                        this.state.set(State::Calling {
+                            inner,
+                            request: Some(request),
+                            run,
+                        });
+                    }
+                },
+                StateProj::Calling {
+                    inner,
+                    request,
+                    run,
+                } => {
+                    if let Err(error) = ready!(inner.poll_ready(cx)) {
+                        // Not called: dropping the run releases its lease.
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(error));
+                    }
+                    let Some(request) = request.take() else {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Ok(respond(Rejection::StoreUnavailable {
+                            retry_after: std::time::Duration::from_secs(1),
+                        })));
+                    };
+                    let future = inner.call(request);
+                    match run.take() {
+                        None => this.state.set(State::Unprotected { future }),
+                        Some(run) => {
+                            let fence = run.guard.fence();
+                            match execution::start(future, run) {
+                                Some(Started { result, abort }) => {
+                                    this.state.set(State::Running {
+                                        result,
+                                        abort,
+                                        fence,
+                                    });
+                                }
+                                None => {
+                                    tracing::error!(
+                                        "tower-idempotency needs a Tokio runtime to run protected requests"
+                                    );
+                                    this.state.set(State::Done);
+                                    return Poll::Ready(Ok(respond(Rejection::StoreUnavailable {
+                                        retry_after: std::time::Duration::from_secs(1),
+                                    })));
+                                }
+                            }
+                        }
+                    }
+                }
+                StateProj::Unprotected { future } => {
                     let response = ready!(future.poll(cx));
                     this.state.set(State::Done);
                     return Poll::Ready(response.map(|r| r.map(ResponseBody::inner)));
                 }
-                StateProj::Beginning { begin, inner } => match ready!(begin.as_mut().poll(cx)) {
-                    Decision::Respond(response) => {
-                        this.state.set(State::Done);
-                        return Poll::Ready(Ok(response.map(ResponseBody::full)));
-                    }
-                    Decision::Run { request, run } => {
-                        let mut service = inner.take().expect("the service is called once");
-                        let future = service.call(request);
-                        this.state.set(State::Running { future, run });
-                    }
-                },
-                StateProj::Running { future, run } => match ready!(future.poll(cx)) {
-                    Err(error) => {
-                        // Dropping the guard releases the lease: a retry runs the handler again.
-                        if run.take().is_some() {
-                            count(Outcome::NotStored);
-                        }
-                        this.state.set(State::Done);
-                        return Poll::Ready(Err(error));
-                    }
-                    Ok(response) => match run.take() {
-                        None => {
-                            this.state.set(State::Done);
-                            return Poll::Ready(Ok(response.map(ResponseBody::inner)));
-                        }
-                        Some(run) => {
-                            let complete = Box::pin(crate::complete::complete(run, response));
-                            this.state.set(State::Completing { complete });
-                        }
-                    },
-                },
-                StateProj::Completing { complete } => {
-                    let response = ready!(complete.as_mut().poll(cx));
+                StateProj::Running {
+                    result,
+                    abort,
+                    fence,
+                } => {
+                    let finished = ready!(Pin::new(result).poll(cx));
+                    let abort = std::mem::take(abort);
+                    let fence = *fence;
                     this.state.set(State::Done);
-                    return Poll::Ready(Ok(response));
+                    return Poll::Ready(match finished {
+                        Ok(Finished::Response(mut response)) => {
+                            response.body_mut().attach(abort);
+                            Ok(response)
+                        }
+                        Ok(Finished::Error(error)) => Err(error),
+                        Ok(Finished::Panic(panic)) => std::panic::resume_unwind(panic),
+                        // The execution ended without an answer (its runtime shut down).
+                        Err(_) => Ok(respond(Rejection::OutcomeUnknown { fence })),
+                    });
                 }
                 StateProj::Done => panic!("ResponseFuture polled after it completed"),
             }

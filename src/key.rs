@@ -55,6 +55,13 @@ pub trait KeySource: Send + Sync + 'static {
     fn describe(&self) -> String {
         "the request".to_owned()
     }
+
+    /// Whether the key may come from the body. When it cannot (a header, the path, the query),
+    /// the layer looks for the key before reading the body, so a keyless request is refused at
+    /// once rather than after its upload. Closures are assumed to read the body.
+    fn needs_body(&self) -> bool {
+        true
+    }
 }
 
 impl<F> KeySource for F
@@ -80,6 +87,10 @@ impl KeySource for Box<dyn KeySource> {
 
     fn describe(&self) -> String {
         (**self).describe()
+    }
+
+    fn needs_body(&self) -> bool {
+        (**self).needs_body()
     }
 }
 
@@ -112,6 +123,10 @@ impl<A: KeySource, B: KeySource> KeySource for Or<A, B> {
 
     fn describe(&self) -> String {
         format!("{} or {}", self.0.describe(), self.1.describe())
+    }
+
+    fn needs_body(&self) -> bool {
+        self.0.needs_body() || self.1.needs_body()
     }
 }
 
@@ -215,6 +230,10 @@ impl KeySource for HeaderKey {
 
     fn describe(&self) -> String {
         format!("the {} header", self.name)
+    }
+
+    fn needs_body(&self) -> bool {
+        false
     }
 }
 
@@ -401,6 +420,10 @@ impl KeySource for QueryKey {
     fn describe(&self) -> String {
         format!("the query parameter {:?}", self.param)
     }
+
+    fn needs_body(&self) -> bool {
+        false
+    }
 }
 
 /// The key from a path parameter: see [`path`].
@@ -474,6 +497,10 @@ impl KeySource for PathKey {
 
     fn describe(&self) -> String {
         format!("the path parameter {:?}", self.param)
+    }
+
+    fn needs_body(&self) -> bool {
+        false
     }
 }
 

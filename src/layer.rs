@@ -8,8 +8,9 @@ use http::{Method, StatusCode};
 use tower_layer::Layer;
 
 use crate::key::{self, KeySource};
+use crate::outcome::default_outcome;
 use crate::scope::Principal;
-use crate::{ConfigError, Idempotency, Store};
+use crate::{ConfigError, Idempotency, Outcome, Store, UnknownOutcome};
 
 /// What to do with a request whose key is in flight (another request with the same key and
 /// fingerprint is being processed).
@@ -146,24 +147,8 @@ impl ReplayHeaders {
     }
 }
 
-/// Decides from the status whether a response is stored for replay.
-pub(crate) type StoreIf = dyn Fn(StatusCode) -> bool + Send + Sync;
-
-/// The default [`store_if`](IdempotencyLayerBuilder::store_if): 2xx, and 4xx that a retry
-/// would get again; not 408, 409, 425, 429 (a retry may succeed) and not 5xx.
-///
-/// ```
-/// use http::StatusCode;
-/// use tower_idempotency::layer::default_store_if;
-/// assert!(default_store_if(StatusCode::CREATED));
-/// assert!(default_store_if(StatusCode::UNPROCESSABLE_ENTITY));
-/// assert!(!default_store_if(StatusCode::TOO_MANY_REQUESTS));
-/// assert!(!default_store_if(StatusCode::SERVICE_UNAVAILABLE));
-/// ```
-pub fn default_store_if(status: StatusCode) -> bool {
-    status.is_success()
-        || (status.is_client_error() && !matches!(status.as_u16(), 408 | 409 | 425 | 429))
-}
+/// Decides what a retry may do when the handler did not say.
+pub(crate) type DefaultOutcome = dyn Fn(StatusCode) -> Outcome + Send + Sync;
 
 /// The checked configuration, shared by every clone of the layer and its services.
 pub(crate) struct Config {
@@ -179,7 +164,9 @@ pub(crate) struct Config {
     pub(crate) retention: Duration,
     pub(crate) on_conflict: OnConflict,
     pub(crate) retry_after: Duration,
-    pub(crate) store_if: Arc<StoreIf>,
+    pub(crate) default_outcome: Arc<DefaultOutcome>,
+    pub(crate) unknown_outcome: UnknownOutcome,
+    pub(crate) cancel_on_disconnect: bool,
     pub(crate) replay_headers: ReplayHeaders,
     pub(crate) fail_open: bool,
 }
@@ -199,6 +186,8 @@ impl std::fmt::Debug for Config {
             .field("retention", &self.retention)
             .field("on_conflict", &self.on_conflict)
             .field("retry_after", &self.retry_after)
+            .field("unknown_outcome", &self.unknown_outcome)
+            .field("cancel_on_disconnect", &self.cancel_on_disconnect)
             .field("replay_headers", &self.replay_headers)
             .field("fail_open", &self.fail_open)
             .finish()
@@ -267,7 +256,9 @@ impl IdempotencyLayer {
             retention: Duration::from_secs(24 * 3600),
             on_conflict: OnConflict::Reject,
             retry_after: Duration::from_secs(1),
-            store_if: Arc::new(default_store_if),
+            default_outcome: Arc::new(default_outcome),
+            unknown_outcome: UnknownOutcome::default(),
+            cancel_on_disconnect: false,
             replay_headers: ReplayHeaders::default_deny(),
             fail_open: false,
         }
@@ -303,7 +294,9 @@ pub struct IdempotencyLayerBuilder {
     retention: Duration,
     on_conflict: OnConflict,
     retry_after: Duration,
-    store_if: Arc<StoreIf>,
+    default_outcome: Arc<DefaultOutcome>,
+    unknown_outcome: UnknownOutcome,
+    cancel_on_disconnect: bool,
     replay_headers: ReplayHeaders,
     fail_open: bool,
 }
@@ -495,18 +488,54 @@ impl IdempotencyLayerBuilder {
         self
     }
 
-    /// Which responses are stored for replay (default [`default_store_if`]). Responses not
-    /// stored release the key, so a retry runs the handler again.
+    /// What a retry may do with a response when the handler did not say (with an [`Outcome`]
+    /// in the response extensions or through its context). Default: [`default_outcome`]
+    /// (retryable for 401, 403, 408, 409, 425, 429 and 503; final for everything else, 5xx
+    /// included). See [`outcome`](crate::outcome) for the reasoning.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, Outcome, Store};
+    /// // Also let clients retry after a gateway error from this service.
+    /// let b = IdempotencyLayer::builder(Store::memory()).default_outcome(|status| {
+    ///     match status.as_u16() {
+    ///         502 | 504 => Outcome::Retryable,
+    ///         _ => tower_idempotency::outcome::default_outcome(status),
+    ///     }
+    /// });
+    /// ```
+    pub fn default_outcome<F>(mut self, decide: F) -> Self
+    where
+        F: Fn(StatusCode) -> Outcome + Send + Sync + 'static,
+    {
+        self.default_outcome = Arc::new(decide);
+        self
+    }
+
+    /// What happens when a handler's outcome cannot be known: it panicked, the inner service
+    /// returned an error, or its response body failed half-way (default
+    /// [`UnknownOutcome::Record`]: retries get an `outcome-unknown` problem; see
+    /// [`outcome`](crate::outcome#outcome-unknown)).
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, Store, UnknownOutcome};
+    /// let b = IdempotencyLayer::builder(Store::memory()).on_unknown_outcome(UnknownOutcome::Release);
+    /// ```
+    pub fn on_unknown_outcome(mut self, policy: UnknownOutcome) -> Self {
+        self.unknown_outcome = policy;
+        self
+    }
+
+    /// For handlers known to be cancel-safe: when the client goes away before its response
+    /// ended, cancel the handler and release the key, storing nothing (default `false`: once
+    /// the handler was called, it runs to its end and its outcome is stored whatever happens to
+    /// the connection, so that the client's retry gets the replay).
     ///
     /// ```
     /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
-    ///     .store_if(|status| status.is_success());
+    ///     .cancel_on_disconnect(true);
     /// ```
-    pub fn store_if<F>(mut self, predicate: F) -> Self
-    where
-        F: Fn(StatusCode) -> bool + Send + Sync + 'static,
-    {
-        self.store_if = Arc::new(predicate);
+    pub fn cancel_on_disconnect(mut self, cancel: bool) -> Self {
+        self.cancel_on_disconnect = cancel;
         self
     }
 
@@ -606,7 +635,9 @@ impl IdempotencyLayerBuilder {
                 retention: self.retention,
                 on_conflict: self.on_conflict,
                 retry_after: self.retry_after,
-                store_if: self.store_if,
+                default_outcome: self.default_outcome,
+                unknown_outcome: self.unknown_outcome,
+                cancel_on_disconnect: self.cancel_on_disconnect,
                 replay_headers: self.replay_headers,
                 fail_open: self.fail_open,
             }),

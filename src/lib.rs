@@ -26,11 +26,17 @@
 //!    `Retry-After` (or, with [`OnConflict::Wait`], waits for it and replays its response);
 //!    otherwise the request takes a **lease** ([`distlock`]: owner token, fencing token, watchdog
 //!    renewal while the handler runs).
-//! 4. The **handler runs**; [`IdempotencyContext`] (request extension and axum extractor) gives it
-//!    the fencing token and the lease.
+//! 4. The **handler runs**, in a task of its own: once called, it runs to its end whatever
+//!    happens to the client (a closed connection, a timeout outside the layer, an HTTP/2 reset),
+//!    so the client's retry gets the replay instead of a second execution.
+//!    [`IdempotencyContext`] (request extension and axum extractor) gives it the fencing token
+//!    and the lease.
 //! 5. **Complete**, one atomic step: only if the lease is still ours, the response is stored for
-//!    the retention (24 h) and the lease dropped. Handler errors, panics and dropped requests
-//!    release the lease without storing, so a retry runs again.
+//!    the retention (24 h) and the lease dropped. The handler decides what a retry may do
+//!    ([`Outcome`]: final, even a 5xx, or retryable: the key is released and nothing stored);
+//!    without a decision the status decides ([`outcome`]). A panic or a body that breaks off
+//!    records an `outcome-unknown` problem for retries (or releases the key:
+//!    [`UnknownOutcome`]).
 //!
 //! Rejections are `application/problem+json` responses ([`problem`]); the handler never runs for
 //! them. With the store unreachable the layer fails closed (503) unless built with
@@ -42,7 +48,11 @@
 //!   once at a time**; once a response is stored, **never again** within the retention.
 //! * A stored response is replayed byte for byte; a record that cannot be read is reported (500),
 //!   never re-executed.
-//! * A response too large to store is still never a reason to run the handler again.
+//! * A response too large to store is still never a reason to run the handler again, and never
+//!   replayed as a 2xx (retries get a 410 problem naming the original status).
+//! * The client going away never cancels a handler that started (unless the layer is built
+//!   with [`cancel_on_disconnect`](IdempotencyLayerBuilder::cancel_on_disconnect) for handlers
+//!   known to be cancel-safe).
 //!
 //! And its limits: a handler that outlives its lease (the store unreachable for longer than the
 //! lease, or the process stalled) may overlap with a retry: its completion is then refused and
@@ -53,11 +63,13 @@ mod begin;
 mod body;
 mod complete;
 mod context;
+mod execution;
 mod fingerprint;
 mod future;
 pub mod key;
 pub mod layer;
 mod metrics;
+pub mod outcome;
 pub mod problem;
 mod record;
 mod replay;
@@ -65,7 +77,7 @@ mod scope;
 mod service;
 mod store;
 
-pub use body::ResponseBody;
+pub use body::{BoxError, RequestBody, ResponseBody};
 pub use context::IdempotencyContext;
 #[cfg(feature = "axum")]
 pub use context::MissingIdempotencyContext;
@@ -74,6 +86,7 @@ pub use distlock::ConfigError;
 pub use future::ResponseFuture;
 pub use key::{KeySource, KeySourceExt};
 pub use layer::{IdempotencyLayer, IdempotencyLayerBuilder, OnConflict, ReplayHeaders};
+pub use outcome::{Outcome, UnknownOutcome};
 pub use problem::Rejection;
 pub use replay::IDEMPOTENT_REPLAYED;
 pub use service::Idempotency;

@@ -2,14 +2,15 @@
 //! is on (no-ops otherwise).
 //!
 //! * `idempotency_outcomes_total{outcome}`: `executed`, `replayed`, `conflict`, `mismatch`,
-//!   `rejected`, `lease_lost`, `store_error`, `fail_open`, `not_stored`, `passthrough`.
+//!   `rejected`, `lease_lost`, `store_error`, `fail_open`, `not_stored`, `outcome_unknown`,
+//!   `passthrough`.
 //! * `idempotency_store_seconds{op}`: latency of `begin` and `complete`.
 
 use std::time::Duration;
 
 /// What became of a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Outcome {
+pub(crate) enum Event {
     /// The handler ran and its response was stored.
     Executed,
     /// A stored response was replayed.
@@ -26,30 +27,33 @@ pub(crate) enum Outcome {
     StoreError,
     /// The store failed and the handler ran unprotected (fail-open mode).
     FailOpen,
-    /// The handler ran; its response is not one to store (5xx, 429, ...) or it failed.
+    /// The handler ran; its response was retryable: the key was released, nothing stored.
     NotStored,
+    /// The handler started and its outcome is unknown (panic, error, failed body).
+    Unknown,
     /// Not covered (method) or no key while keys are optional.
     Passthrough,
 }
 
-impl Outcome {
+impl Event {
     pub(crate) fn as_str(self) -> &'static str {
         match self {
-            Outcome::Executed => "executed",
-            Outcome::Replayed => "replayed",
-            Outcome::Conflict => "conflict",
-            Outcome::Mismatch => "mismatch",
-            Outcome::Rejected => "rejected",
-            Outcome::LeaseLost => "lease_lost",
-            Outcome::StoreError => "store_error",
-            Outcome::FailOpen => "fail_open",
-            Outcome::NotStored => "not_stored",
-            Outcome::Passthrough => "passthrough",
+            Event::Executed => "executed",
+            Event::Replayed => "replayed",
+            Event::Conflict => "conflict",
+            Event::Mismatch => "mismatch",
+            Event::Rejected => "rejected",
+            Event::LeaseLost => "lease_lost",
+            Event::StoreError => "store_error",
+            Event::FailOpen => "fail_open",
+            Event::NotStored => "not_stored",
+            Event::Unknown => "outcome_unknown",
+            Event::Passthrough => "passthrough",
         }
     }
 }
 
-pub(crate) fn count(outcome: Outcome) {
+pub(crate) fn count(outcome: Event) {
     #[cfg(feature = "metrics")]
     metrics::counter!("idempotency_outcomes_total", "outcome" => outcome.as_str()).increment(1);
     #[cfg(not(feature = "metrics"))]

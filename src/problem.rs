@@ -13,8 +13,9 @@
 //! | `unsupported-media-type` | 415 | the key comes from a JSON or form body of another content type |
 //! | `key-reused` | 422 | the key was used for a request with another fingerprint |
 //! | `record-unreadable` | 500 | the stored outcome for this key is corrupt or from an unknown format |
+//! | `outcome-unknown` | 500 | a retry of a request whose handler panicked, failed or whose body broke off: it may have done its work (with the attempt's `fence`, for reconciliation) |
 //! | `store-unavailable` | 503 | the store cannot be reached (with `Retry-After`; fail-closed mode) |
-//! | `response-not-stored` | the original status | a retry of a request whose response body was too large to store: it was processed, the body cannot be replayed |
+//! | `response-not-stored` | 410 | a retry of a request whose response body was too large to store: it was processed (the `original_status` member says with which status, and stored headers such as `Location` are kept), the body cannot be replayed |
 //!
 //! The [`Rejection`] itself travels in the response extensions, so outer middleware and tests can
 //! tell which rule answered.
@@ -95,6 +96,12 @@ pub enum Rejection {
         /// The storage limit in bytes.
         limit: usize,
     },
+    /// The handler started and its outcome is unknown (it panicked, the service failed, or its
+    /// response body broke off).
+    OutcomeUnknown {
+        /// The fencing token of the execution, for reconciliation.
+        fence: u64,
+    },
 }
 
 impl Rejection {
@@ -117,7 +124,8 @@ impl Rejection {
             Rejection::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Rejection::RecordUnreadable { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             Rejection::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            Rejection::ResponseNotStored { status, .. } => *status,
+            Rejection::ResponseNotStored { .. } => StatusCode::GONE,
+            Rejection::OutcomeUnknown { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -140,6 +148,7 @@ impl Rejection {
             Rejection::RecordUnreadable { .. } => "record-unreadable",
             Rejection::StoreUnavailable { .. } => "store-unavailable",
             Rejection::ResponseNotStored { .. } => "response-not-stored",
+            Rejection::OutcomeUnknown { .. } => "outcome-unknown",
         }
     }
 
@@ -167,6 +176,9 @@ impl Rejection {
             Rejection::StoreUnavailable { .. } => "Idempotency is temporarily unavailable",
             Rejection::ResponseNotStored { .. } => {
                 "The request was processed, but its response was too large to store"
+            }
+            Rejection::OutcomeUnknown { .. } => {
+                "The request was started, and whether it did its work is unknown"
             }
         }
     }
@@ -212,10 +224,16 @@ impl Rejection {
                 "The idempotency store cannot be reached; the request was not processed. Retry after {} s.",
                 retry_after.as_secs().max(1)
             ),
-            Rejection::ResponseNotStored { limit, .. } => format!(
-                "The original request was processed with this status, but its response body was over \
+            Rejection::ResponseNotStored { status, limit } => format!(
+                "The original request was processed with status {}, but its response body was over \
                  the {limit}-byte storage limit, so it cannot be replayed. Do not send the request again \
-                 with a new key unless you mean to repeat it."
+                 with a new key unless you mean to repeat it.",
+                status.as_u16()
+            ),
+            Rejection::OutcomeUnknown { fence } => format!(
+                "The first request with this key started (attempt {fence}) and then failed; it may or may \
+                 not have done its work, so it is not run again. Check the result before repeating the \
+                 request with a new key."
             ),
         }
     }
@@ -238,12 +256,19 @@ impl Rejection {
     /// assert_eq!(v["status"], 422);
     /// ```
     pub fn to_json(&self) -> Bytes {
-        let value = serde_json::json!({
+        let mut value = serde_json::json!({
             "type": format!("{PROBLEM_BASE}{}", self.slug()),
             "title": self.title(),
             "status": self.status().as_u16(),
             "detail": self.detail(),
         });
+        match self {
+            Rejection::ResponseNotStored { status, .. } => {
+                value["original_status"] = status.as_u16().into();
+            }
+            Rejection::OutcomeUnknown { fence } => value["fence"] = (*fence).into(),
+            _ => {}
+        }
         Bytes::from(serde_json::to_vec(&value).expect("a JSON value serializes"))
     }
 
@@ -317,6 +342,7 @@ mod tests {
                 status: StatusCode::CREATED,
                 limit: 9,
             },
+            Rejection::OutcomeUnknown { fence: 7 },
         ];
         for r in all {
             let res = r.to_response();
@@ -325,6 +351,7 @@ mod tests {
             assert!(v["type"].as_str().unwrap().ends_with(r.slug()));
             assert!(!v["title"].as_str().unwrap().is_empty());
             assert_eq!(res.extensions().get::<Rejection>(), Some(&r));
+            assert!(!r.status().is_success(), "a problem is never a 2xx: {r}");
             let retry = res.headers().get(header::RETRY_AFTER);
             assert_eq!(
                 retry.is_some(),

@@ -1,12 +1,15 @@
 //! The stored outcome of a request, in a small versioned binary format.
 //!
 //! ```text
-//! "TIR" 0x01                 magic and format version
+//! "TIR" 0x02                 magic and format version
 //! fingerprint                32 bytes
-//! flags                      1 byte: bit 0 = the body was too large and is not stored
+//! kind                       1 byte: 0 response, 1 response whose body was not kept,
+//!                            2 outcome unknown
 //! status                     u16
+//! fence                      u64 (the execution's fencing token)
 //! header count               u16, then per header: name length u16, name, value length u32, value
 //! body length                u32, then the body
+//! trailer count              u16, then the trailers as the headers
 //! ```
 //!
 //! Decoding checks every length and value and never panics: a corrupt record or one from an
@@ -17,66 +20,133 @@ use bytes::{BufMut, Bytes};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 
 const MAGIC: &[u8; 3] = b"TIR";
-const VERSION: u8 = 1;
-const BODY_OMITTED: u8 = 1;
+const VERSION: u8 = 2;
 
-/// A stored response.
+/// What a record says happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// A response, replayed as it was.
+    Response,
+    /// A response whose body was over the storage limit: status and headers only.
+    BodyNotKept,
+    /// The handler started and its outcome is unknown (panic, error, failed body).
+    Unknown,
+}
+
+impl Kind {
+    fn code(self) -> u8 {
+        match self {
+            Kind::Response => 0,
+            Kind::BodyNotKept => 1,
+            Kind::Unknown => 2,
+        }
+    }
+
+    fn from_code(code: u8) -> Option<Kind> {
+        match code {
+            0 => Some(Kind::Response),
+            1 => Some(Kind::BodyNotKept),
+            2 => Some(Kind::Unknown),
+            _ => None,
+        }
+    }
+}
+
+/// A stored outcome.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Record {
     pub(crate) fingerprint: [u8; 32],
+    pub(crate) kind: Kind,
     pub(crate) status: StatusCode,
+    pub(crate) fence: u64,
     pub(crate) headers: HeaderMap,
-    /// `None` when the body was over the storage limit.
-    pub(crate) body: Option<Bytes>,
+    pub(crate) body: Bytes,
+    pub(crate) trailers: HeaderMap,
 }
 
-/// Encodes a response as a record: the headers `keep` accepts, and the body (`None`: over the
-/// storage limit). One allocation, no intermediate header map.
-pub(crate) fn encode(
-    fingerprint: &[u8; 32],
-    status: StatusCode,
-    headers: &HeaderMap,
-    keep: impl Fn(&HeaderName) -> bool,
-    body: Option<&[u8]>,
-) -> Vec<u8> {
-    let kept = || {
-        headers
-            .iter()
-            .filter(|(name, _)| keep(name))
-            .take(u16::MAX as usize)
-    };
-    let (count, headers_len) = kept().fold((0usize, 0usize), |(c, l), (n, v)| {
+/// The parts of a record to encode, borrowed from the response being stored.
+pub(crate) struct Encode<'a, K: Fn(&HeaderName) -> bool> {
+    pub(crate) fingerprint: &'a [u8; 32],
+    pub(crate) kind: Kind,
+    pub(crate) status: StatusCode,
+    pub(crate) fence: u64,
+    pub(crate) headers: &'a HeaderMap,
+    /// Which headers are kept.
+    pub(crate) keep: K,
+    pub(crate) body: &'a [u8],
+    pub(crate) trailers: Option<&'a HeaderMap>,
+}
+
+fn kept<'a>(
+    headers: &'a HeaderMap,
+    keep: &'a impl Fn(&HeaderName) -> bool,
+) -> impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)> {
+    headers
+        .iter()
+        .filter(move |(name, _)| keep(name))
+        .take(u16::MAX as usize)
+}
+
+fn headers_len<'a>(
+    headers: impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
+) -> (usize, usize) {
+    headers.fold((0, 0), |(c, l), (n, v)| {
         (c + 1, l + 6 + n.as_str().len() + v.len())
-    });
-    let data = body.unwrap_or_default();
-    let mut out = Vec::with_capacity(4 + 32 + 1 + 2 + 2 + headers_len + 4 + data.len());
-    out.put_slice(MAGIC);
-    out.put_u8(VERSION);
-    out.put_slice(fingerprint);
-    out.put_u8(if body.is_none() { BODY_OMITTED } else { 0 });
-    out.put_u16(status.as_u16());
+    })
+}
+
+fn put_headers<'a>(
+    out: &mut Vec<u8>,
+    count: usize,
+    headers: impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
+) {
     out.put_u16(count as u16);
-    for (name, value) in kept() {
+    for (name, value) in headers {
         out.put_u16(name.as_str().len() as u16);
         out.put_slice(name.as_str().as_bytes());
         out.put_u32(value.len() as u32);
         out.put_slice(value.as_bytes());
     }
-    out.put_u32(data.len() as u32);
-    out.put_slice(data);
-    out
+}
+
+impl<K: Fn(&HeaderName) -> bool> Encode<'_, K> {
+    /// The encoded record, in one allocation.
+    pub(crate) fn to_vec(&self) -> Vec<u8> {
+        let (count, len) = headers_len(kept(self.headers, &self.keep));
+        let all = |_: &HeaderName| true;
+        let empty = HeaderMap::new();
+        let trailers = self.trailers.unwrap_or(&empty);
+        let (t_count, t_len) = headers_len(kept(trailers, &all));
+        let mut out =
+            Vec::with_capacity(4 + 32 + 1 + 2 + 8 + 2 + len + 4 + self.body.len() + 2 + t_len);
+        out.put_slice(MAGIC);
+        out.put_u8(VERSION);
+        out.put_slice(self.fingerprint);
+        out.put_u8(self.kind.code());
+        out.put_u16(self.status.as_u16());
+        out.put_u64(self.fence);
+        put_headers(&mut out, count, kept(self.headers, &self.keep));
+        out.put_u32(self.body.len() as u32);
+        out.put_slice(self.body);
+        put_headers(&mut out, t_count, kept(trailers, &all));
+        out
+    }
 }
 
 impl Record {
     #[cfg(test)]
     pub(crate) fn encode(&self) -> Vec<u8> {
-        encode(
-            &self.fingerprint,
-            self.status,
-            &self.headers,
-            |_| true,
-            self.body.as_deref(),
-        )
+        Encode {
+            fingerprint: &self.fingerprint,
+            kind: self.kind,
+            status: self.status,
+            fence: self.fence,
+            headers: &self.headers,
+            keep: |_: &HeaderName| true,
+            body: &self.body,
+            trailers: Some(&self.trailers),
+        }
+        .to_vec()
     }
 
     /// Decodes a record; the body shares `bytes`' buffer.
@@ -91,40 +161,28 @@ impl Record {
                 "record format version {version} is not supported (this build reads {VERSION})"
             ));
         }
-        let fingerprint: [u8; 32] = r.take(32)?.try_into().expect("took 32 bytes");
-        let flags = r.u8()?;
-        if flags & !BODY_OMITTED != 0 {
-            return Err(format!("unknown record flags {flags:#x}"));
-        }
+        let fingerprint: [u8; 32] = r.take(32)?.try_into().map_err(|_| "fingerprint")?;
+        let code = r.u8()?;
+        let kind = Kind::from_code(code).ok_or_else(|| format!("unknown record kind {code}"))?;
         let status = StatusCode::from_u16(r.u16()?).map_err(|e| format!("status: {e}"))?;
-        let count = r.u16()?;
-        // No capacity from the untrusted count: HeaderMap panics on absurd capacities.
-        let mut headers = HeaderMap::new();
-        for _ in 0..count {
-            let name_len = r.u16()? as usize;
-            let name = HeaderName::from_bytes(r.take(name_len)?)
-                .map_err(|e| format!("header name: {e}"))?;
-            let value_len = r.u32()? as usize;
-            let value = HeaderValue::from_bytes(r.take(value_len)?)
-                .map_err(|e| format!("header value: {e}"))?;
-            headers.append(name, value);
-        }
+        let fence = r.u64()?;
+        let headers = r.headers()?;
         let body_len = r.u32()? as usize;
         let start = r.at;
         r.take(body_len)?;
+        let body = bytes.slice(start..start + body_len);
+        let trailers = r.headers()?;
         if r.at != bytes.len() {
             return Err(format!("{} trailing bytes", bytes.len() - r.at));
         }
-        let body = bytes.slice(start..start + body_len);
         Ok(Record {
             fingerprint,
+            kind,
             status,
+            fence,
             headers,
-            body: if flags & BODY_OMITTED != 0 {
-                None
-            } else {
-                Some(body)
-            },
+            body,
+            trailers,
         })
     }
 }
@@ -150,20 +208,42 @@ impl<'a> Reader<'a> {
         }
     }
 
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], String> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.take(N)?);
+        Ok(out)
+    }
+
     fn u8(&mut self) -> Result<u8, String> {
-        Ok(self.take(1)?[0])
+        Ok(self.array::<1>()?[0])
     }
 
     fn u16(&mut self) -> Result<u16, String> {
-        Ok(u16::from_be_bytes(
-            self.take(2)?.try_into().expect("2 bytes"),
-        ))
+        Ok(u16::from_be_bytes(self.array()?))
     }
 
     fn u32(&mut self) -> Result<u32, String> {
-        Ok(u32::from_be_bytes(
-            self.take(4)?.try_into().expect("4 bytes"),
-        ))
+        Ok(u32::from_be_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_be_bytes(self.array()?))
+    }
+
+    fn headers(&mut self) -> Result<HeaderMap, String> {
+        let count = self.u16()?;
+        // No capacity from the untrusted count: HeaderMap panics on absurd capacities.
+        let mut headers = HeaderMap::new();
+        for _ in 0..count {
+            let name_len = self.u16()? as usize;
+            let name = HeaderName::from_bytes(self.take(name_len)?)
+                .map_err(|e| format!("header name: {e}"))?;
+            let value_len = self.u32()? as usize;
+            let value = HeaderValue::from_bytes(self.take(value_len)?)
+                .map_err(|e| format!("header value: {e}"))?;
+            headers.append(name, value);
+        }
+        Ok(headers)
     }
 }
 
@@ -171,23 +251,33 @@ impl<'a> Reader<'a> {
 mod tests {
     use super::*;
 
-    fn sample(body: Option<&'static [u8]>) -> Record {
+    fn sample(kind: Kind, body: &'static [u8]) -> Record {
         let mut headers = HeaderMap::new();
         headers.insert("content-type", HeaderValue::from_static("application/json"));
         headers.append("x-multi", HeaderValue::from_static("1"));
         headers.append("x-multi", HeaderValue::from_static("2"));
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
         Record {
             fingerprint: [7; 32],
+            kind,
             status: StatusCode::CREATED,
+            fence: 42,
             headers,
-            body: body.map(Bytes::from_static),
+            body: Bytes::from_static(body),
+            trailers,
         }
     }
 
     #[test]
     fn round_trips() {
-        for body in [Some(&b"{\"id\":1}"[..]), Some(&b""[..]), None] {
-            let r = sample(body);
+        for (kind, body) in [
+            (Kind::Response, &b"{\"id\":1}"[..]),
+            (Kind::Response, b""),
+            (Kind::BodyNotKept, b""),
+            (Kind::Unknown, b""),
+        ] {
+            let r = sample(kind, body);
             let encoded = Bytes::from(r.encode());
             assert_eq!(Record::decode(&encoded).unwrap(), r);
         }
@@ -195,7 +285,7 @@ mod tests {
 
     #[test]
     fn every_truncation_and_corruption_is_an_error_not_a_panic() {
-        let encoded = sample(Some(b"hello")).encode();
+        let encoded = sample(Kind::Response, b"hello").encode();
         for len in 0..encoded.len() {
             assert!(
                 Record::decode(&Bytes::copy_from_slice(&encoded[..len])).is_err(),

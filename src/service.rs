@@ -3,26 +3,28 @@
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
 use tower_service::Service;
 use tracing::Instrument;
 
 use crate::ResponseFuture;
-use crate::body::ResponseBody;
+use crate::body::{BoxError, RequestBody, ResponseBody};
 use crate::layer::Config;
 
 /// Makes an inner service idempotent; built by [`IdempotencyLayer`](crate::IdempotencyLayer).
 ///
 /// Requests whose method is not covered go straight to the inner service. Covered requests have
-/// their body buffered (it is handed on to the inner service unchanged), their key and
-/// fingerprint computed, and the store consulted before the inner service is called.
+/// their key and fingerprint computed (reading the body when the key or the fingerprint needs
+/// it; the inner service gets the same bytes as a [`RequestBody`]), and the store consulted
+/// before the inner service is called. The protected execution (the handler, its body and the
+/// storing of its outcome) runs in a task of its own, so it needs `Send + 'static` futures and
+/// bodies, and a Tokio runtime.
 ///
 /// ```
-/// use tower_idempotency::{Idempotency, IdempotencyLayer, Store};
+/// use tower_idempotency::{Idempotency, IdempotencyLayer, RequestBody, Store};
 /// let layer = IdempotencyLayer::new(Store::memory());
-/// let svc = tower::service_fn(|_req: http::Request<axum::body::Body>| async {
+/// let svc = tower::service_fn(|_req: http::Request<RequestBody<axum::body::Body>>| async {
 ///     Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::empty()))
 /// });
 /// let wrapped: Idempotency<_> = tower::Layer::layer(&layer, svc);
@@ -42,7 +44,7 @@ impl<S> Idempotency<S> {
     ///
     /// ```
     /// # use tower_idempotency::{Idempotency, IdempotencyLayer, Store};
-    /// let svc = Idempotency::new(tower::service_fn(|_: http::Request<axum::body::Body>| async {
+    /// let svc = Idempotency::new(tower::service_fn(|_: http::Request<tower_idempotency::RequestBody<axum::body::Body>>| async {
     ///     Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::empty()))
     /// }), &IdempotencyLayer::new(Store::memory()));
     /// ```
@@ -68,29 +70,36 @@ impl<S> Idempotency<S> {
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
-    ReqBody: Body + From<Bytes> + Send + 'static,
-    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Body + Send + 'static,
     ReqBody::Data: Send,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Send,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body + Send + 'static,
+    ResBody::Data: Send,
+    ResBody::Error: Into<BoxError>,
 {
     type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
     type Future = ResponseFuture<S, ReqBody, ResBody>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+    /// Always ready: the inner service is asked for readiness in the response future, once the
+    /// handler is about to be called (a request reading its body or waiting for a duplicate
+    /// holds no slot of a `ConcurrencyLimit` or `Buffer` below).
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        let inner = self.inner.clone();
         if !self.config.methods.contains(request.method()) {
-            crate::metrics::count(crate::metrics::Outcome::Passthrough);
-            return ResponseFuture::passthrough(self.inner.call(request));
+            crate::metrics::count(crate::metrics::Event::Passthrough);
+            return ResponseFuture::passthrough(inner, request.map(RequestBody::new));
         }
-        // The inner service was polled ready: keep that one for the call, leave a clone here.
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
         let span = tracing::debug_span!(
             "idempotency",
             method = %request.method(),

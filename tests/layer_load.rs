@@ -1,9 +1,10 @@
 //! The layer under load with Redis faults injected mid-run: two instances of the webhook
 //! example share one Redis (and one ledger, as they would share a database); client tasks
-//! deliver every payment event several times, partly in concurrent bursts, partly later; Redis
-//! connections are killed, Redis is slowed and frozen (shorter than the lease, so it keeps its
-//! data). Every response must be a success, a replay or a documented rejection, and in the
-//! end every event must be in the ledger exactly once.
+//! deliver every payment event several times, partly in concurrent bursts, partly later, and
+//! one delivery of every burst hangs up at a random moment (often while the handler runs,
+//! after it booked the payment); Redis connections are killed, Redis is slowed and frozen
+//! (shorter than the lease, so it keeps its data). Every response must be a success, a replay
+//! or a documented rejection, and in the end every event must be in the ledger exactly once.
 //!
 //! `SOAK=1` delivers ten times as many events.
 
@@ -55,6 +56,30 @@ async fn store(server: &RedisServer, prefix: &str) -> Store {
         .unwrap();
     c.prepare().await.unwrap();
     Store::from_client(c)
+}
+
+/// Writes a delivery on a raw connection and hangs up after `after` (a provider that timed out).
+async fn hang_up(addr: std::net::SocketAddr, event: usize, header: bool, after: Duration) {
+    use tokio::io::AsyncWriteExt;
+    let (parts, body) = delivery(event, header).into_parts();
+    let body = http_body_util::BodyExt::collect(body)
+        .await
+        .unwrap()
+        .to_bytes();
+    let mut head = format!(
+        "POST /webhooks/payments HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (name, value) in &parts.headers {
+        head.push_str(&format!("{name}: {}\r\n", value.to_str().unwrap()));
+    }
+    head.push_str("\r\n");
+    let Ok(mut socket) = tokio::net::TcpStream::connect(addr).await else {
+        return;
+    };
+    let _ = socket.write_all(head.as_bytes()).await;
+    let _ = socket.write_all(&body).await;
+    tokio::time::sleep(after).await;
 }
 
 /// Delivers once; panics on an answer that is neither a success, a replay nor a documented
@@ -155,12 +180,14 @@ async fn deliveries_under_faults_are_applied_exactly_once() {
             let mut statuses: HashMap<StatusCode, usize> = HashMap::new();
             for event in (worker..events).step_by(8) {
                 let header = event % 2 == 0;
-                let burst: Vec<_> = (0..4)
+                let burst: Vec<_> = (0..3)
                     .map(|i| {
                         let c = http_client.clone();
                         tokio::spawn(async move { deliver(&c, addrs[i % 2], event, header).await })
                     })
                     .collect();
+                // The fourth of the burst gives up after 0 to 6 ms (the handler takes 3).
+                hang_up(addrs[event % 2], event, header, ms(fastrand::u64(0..6))).await;
                 for b in burst {
                     *statuses.entry(b.await.unwrap()).or_default() += 1;
                 }
@@ -185,7 +212,7 @@ async fn deliveries_under_faults_are_applied_exactly_once() {
         injected >= 3,
         "faults were injected during the run: {injected}"
     );
-    assert_eq!(statuses.values().sum::<usize>(), events * 8);
+    assert_eq!(statuses.values().sum::<usize>(), events * 7);
     assert!(
         statuses.get(&StatusCode::OK).copied().unwrap_or(0) > events,
         "{statuses:?}"
@@ -196,9 +223,10 @@ async fn deliveries_under_faults_are_applied_exactly_once() {
     for entry in ledger.entries() {
         *applied.entry(entry.event).or_default() += 1;
     }
+    let doubled: Vec<_> = applied.iter().filter(|(_, n)| **n > 1).collect();
     assert!(
-        applied.values().all(|n| *n == 1),
-        "an event applied twice: {applied:?}"
+        doubled.is_empty(),
+        "events applied more than once: {doubled:?}"
     );
 
     // Nothing is lost: with the faults over, one more delivery of each event succeeds (the

@@ -8,8 +8,10 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use support::{Reply, TestStore, app, post_key, send};
-use tower_idempotency::{OnConflict, key};
+use http_body_util::BodyExt;
+use support::{Reply, TestStore, app, open_request, post_key, send, serve, wait_until, within};
+use tower::ServiceExt;
+use tower_idempotency::{OnConflict, Outcome, UnknownOutcome, key};
 
 macro_rules! suite {
     ($($name:ident),* $(,)?) => {
@@ -47,9 +49,13 @@ suite!(
     a_key_reused_for_another_request_is_refused,
     rejections_never_run_the_handler_or_store_anything,
     methods_not_covered_pass_through,
-    failures_and_transient_statuses_are_not_stored,
-    a_panicking_handler_releases_its_key,
-    a_dropped_request_releases_its_key,
+    the_handler_decides_what_a_retry_may_do,
+    a_panicking_handler_leaves_an_unknown_outcome,
+    a_body_that_breaks_off_leaves_an_unknown_outcome,
+    a_dropped_request_still_completes,
+    a_client_that_hangs_up_mid_handler_gets_the_replay,
+    cancel_safe_handlers_can_opt_out,
+    streamed_bodies_are_forwarded_and_stored,
     a_lost_lease_stores_nothing,
     keys_are_scoped_to_the_principal,
     a_response_too_large_to_store_is_not_run_again,
@@ -99,7 +105,12 @@ async fn concurrent_duplicates_run_the_handler_once(s: TestStore) {
         pending.push(t);
     }
     let mut conflicts = 0;
+    let deadline = tokio::time::Instant::now() + support::DEADLINE;
     while conflicts < 199 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {conflicts} of 199 duplicates answered 409 in time"
+        );
         let mut still = Vec::new();
         for t in pending {
             if t.is_finished() {
@@ -139,9 +150,7 @@ async fn waiting_duplicates_get_the_first_response(s: TestStore) {
         let app = app.clone();
         async move { send(&app, post_key("/things", "w", "{}")).await }
     });
-    while probe.runs() == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    probe.started(1).await;
     let waiters: Vec<_> = (0..20)
         .map(|_| {
             let app = app.clone();
@@ -169,9 +178,7 @@ async fn a_key_reused_for_another_request_is_refused(s: TestStore) {
         let app = app.clone();
         async move { send(&app, post_key("/things", "k", r#"{"amount":10}"#)).await }
     });
-    while probe.runs() == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    probe.started(1).await;
     let other = send(&app, post_key("/things", "k", r#"{"amount":99}"#)).await;
     assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(other.problem(), "key-reused");
@@ -271,73 +278,243 @@ async fn methods_not_covered_pass_through(s: TestStore) {
     assert_eq!(probe.runs(), 3);
 }
 
-async fn failures_and_transient_statuses_are_not_stored(s: TestStore) {
-    let (app, probe) = app(&s.store, |b| b);
-    let first = send(&app, post_key("/flaky", "f", "")).await;
-    assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
-    let second = send(&app, post_key("/flaky", "f", "")).await;
-    assert_eq!(
-        second.status,
-        StatusCode::CREATED,
-        "a 500 is not stored: the retry runs"
-    );
-    assert!(!second.replayed());
-    let third = send(&app, post_key("/flaky", "f", "")).await;
-    assert!(third.replayed());
-    assert_eq!(probe.runs(), 2);
-    // 429 and 409 from the handler are not stored; 422 (deterministic) is.
-    for (code, stored) in [("429", false), ("409", false), ("422", true), ("400", true)] {
-        let key = format!("status-{code}");
-        let a = send(&app, post_key("/status", &key, code)).await;
-        let b = send(&app, post_key("/status", &key, code)).await;
-        assert_eq!(a.status.as_str(), code);
-        assert_eq!(b.replayed(), stored, "{code}");
-    }
+async fn decide(app: &axum::Router, key: &str, query: &str) -> Reply {
+    send(app, post_key(&format!("/decide?{query}"), key, "")).await
 }
 
-async fn a_panicking_handler_releases_its_key(s: TestStore) {
+async fn the_handler_decides_what_a_retry_may_do(s: TestStore) {
+    let (app, probe) = app(&s.store, |b| b);
+    // (query, stored): a 5xx is final unless the handler says otherwise (the work may have
+    // committed); "not processed" statuses are retryable unless the handler says otherwise.
+    let cases = [
+        ("status=500", true),
+        ("status=201", true),
+        ("status=422", true),
+        ("status=502", true),
+        ("status=503", false),
+        ("status=429", false),
+        ("status=409", false),
+        ("status=408", false),
+        ("status=401", false),
+        ("status=403", false),
+        ("status=500&outcome=retryable", false),
+        ("status=201&outcome=retryable", false),
+        ("status=503&outcome=final", true),
+        ("status=500&outcome=ctx-retryable", false),
+        ("status=429&outcome=ctx-final", true),
+    ];
+    for (i, (query, stored)) in cases.into_iter().enumerate() {
+        let key = format!("decision-{i}");
+        let runs = probe.runs();
+        let first = decide(&app, &key, query).await;
+        assert!(!first.replayed());
+        let again = decide(&app, &key, query).await;
+        assert_eq!(again.replayed(), stored, "{query}: {again:?}");
+        if stored {
+            assert_eq!(again.status, first.status, "{query}");
+            assert_eq!(again.body, first.body, "{query}");
+            assert_eq!(probe.runs(), runs + 1, "{query}: not run again");
+        } else {
+            assert_eq!(probe.runs(), runs + 2, "{query}: the retry ran again");
+        }
+    }
+    // A default rule of the user's own.
+    let (app, probe) = app_with_default(&s.store);
+    let first = decide(&app, "own-rule", "status=502").await;
+    assert!(!first.replayed());
+    assert!(!decide(&app, "own-rule", "status=502").await.replayed());
+    assert_eq!(probe.runs(), 2);
+}
+
+fn app_with_default(store: &tower_idempotency::Store) -> (axum::Router, support::Probe) {
+    app(store, |b| {
+        b.default_outcome(|status| match status.as_u16() {
+            502 => Outcome::Retryable,
+            _ => tower_idempotency::outcome::default_outcome(status),
+        })
+    })
+}
+
+async fn a_panicking_handler_leaves_an_unknown_outcome(s: TestStore) {
+    // Default: the panic may have come after a side effect, so it is never run again; retries
+    // get outcome-unknown with the attempt's fence.
     let (app, probe) = app(&s.store, |b| b);
     let crashed = tokio::spawn({
         let app = app.clone();
         async move { send(&app, post_key("/panics", "p", "")).await }
     });
-    assert!(crashed.await.unwrap_err().is_panic());
-    // The lease is released in the background: a retry soon runs the handler again.
-    let mut retry = None;
-    for _ in 0..200 {
-        let r = send(&app, post_key("/panics", "p", "")).await;
-        if r.status != StatusCode::CONFLICT {
-            retry = Some(r);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let retry = retry.expect("the key was released after the panic");
-    assert_eq!(retry.status, StatusCode::OK);
-    assert!(!retry.replayed(), "nothing was stored for the panicked run");
+    assert!(
+        within("the panic", crashed).await.unwrap_err().is_panic(),
+        "the panic reaches the caller, as without the layer"
+    );
+    let retry = send(&app, post_key("/panics", "p", "")).await;
+    assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR, "{retry:?}");
+    assert_eq!(retry.problem(), "outcome-unknown");
+    assert!(retry.replayed());
+    assert!(retry.json()["fence"].as_u64().unwrap() >= 1);
+    assert_eq!(probe.runs(), 1);
+
+    // Release: the key is freed, the retry runs again.
+    let (app, probe) = support::app(&s.store, |b| b.on_unknown_outcome(UnknownOutcome::Release));
+    let crashed = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post_key("/panics", "p2", "")).await }
+    });
+    assert!(within("the panic", crashed).await.unwrap_err().is_panic());
+    let retry = send(&app, post_key("/panics", "p2", "")).await;
+    assert_eq!(retry.status, StatusCode::OK, "{retry:?}");
+    assert!(!retry.replayed());
     assert_eq!(probe.runs(), 2);
 }
 
-async fn a_dropped_request_releases_its_key(s: TestStore) {
-    let (app, probe) = app(&s.store, |b| {
-        b.on_conflict(OnConflict::Wait(Duration::from_secs(30)))
-    });
+async fn a_body_that_breaks_off_leaves_an_unknown_outcome(s: TestStore) {
+    for (policy, rerun) in [
+        (UnknownOutcome::Record, false),
+        (UnknownOutcome::Release, true),
+    ] {
+        let (app, probe) = app(&s.store, |b| b.on_unknown_outcome(policy));
+        let key = format!("broken-{policy:?}");
+        let response = app
+            .clone()
+            .oneshot(post_key("/stream?fail=true", &key, ""))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert!(
+            response.into_body().collect().await.is_err(),
+            "the client sees an aborted body, never a complete short one"
+        );
+        let retry = app
+            .clone()
+            .oneshot(post_key("/stream?fail=true", &key, ""))
+            .await
+            .unwrap();
+        let replayed = retry.headers().contains_key("idempotent-replayed");
+        if rerun {
+            assert!(!replayed, "{policy:?}: released, so the retry runs again");
+            assert!(
+                retry.into_body().collect().await.is_err(),
+                "and breaks off again"
+            );
+            assert_eq!(probe.runs(), 2);
+        } else {
+            assert!(replayed);
+            assert_eq!(retry.status(), StatusCode::INTERNAL_SERVER_ERROR);
+            let body = retry.into_body().collect().await.unwrap().to_bytes();
+            let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert!(
+                problem["type"]
+                    .as_str()
+                    .unwrap()
+                    .ends_with("outcome-unknown")
+            );
+            assert_eq!(probe.runs(), 1);
+        }
+    }
+}
+
+async fn a_dropped_request_still_completes(s: TestStore) {
+    let (app, probe) = app(&s.store, |b| b);
     probe.close();
     let abandoned = tokio::spawn({
         let app = app.clone();
         async move { send(&app, post_key("/things", "gone", "{}")).await }
     });
-    while probe.runs() == 0 {
+    probe.started(1).await;
+    abandoned.abort(); // The response future is dropped mid-handler.
+    let _ = abandoned.await;
+    // In flight still: the handler runs on.
+    let meanwhile = send(&app, post_key("/things", "gone", "{}")).await;
+    assert_eq!(meanwhile.status, StatusCode::CONFLICT, "{meanwhile:?}");
+    assert_eq!(meanwhile.problem(), "conflict");
+    probe.open();
+    wait_until("the detached handler finished", || probe.finished() == 1).await;
+    let retry = within(
+        "the retry",
+        send_until_not_conflict(&app, || post_key("/things", "gone", "{}")),
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(
+        retry.replayed(),
+        "the abandoned execution stored its outcome"
+    );
+    assert_eq!(retry.json()["run"], 1);
+    assert_eq!(probe.runs(), 1);
+}
+
+/// Sends until the answer is not a 409 (the execution may still be storing its outcome).
+async fn send_until_not_conflict(app: &axum::Router, request: impl Fn() -> Request<Body>) -> Reply {
+    loop {
+        let reply = send(app, request()).await;
+        if reply.status != StatusCode::CONFLICT {
+            return reply;
+        }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    abandoned.abort(); // The client went away mid-handler.
+}
+
+async fn a_client_that_hangs_up_mid_handler_gets_the_replay(s: TestStore) {
+    // Through axum::serve and a real socket: the client closes the connection while the
+    // handler runs (as a client that times out does), then retries with the same key.
+    let (app, probe) = app(&s.store, |b| {
+        b.on_conflict(OnConflict::Wait(Duration::from_secs(20)))
+    });
+    let (addr, _server) = serve(app).await;
+    probe.close();
+    let connection = open_request(addr, "/things", "hangup", "{}").await;
+    probe.started(1).await;
+    drop(connection);
+    // The retry arrives while the first execution still runs: it waits for it, and replays.
+    let retry = tokio::spawn(async move {
+        let client = support::client();
+        support::http(&client, addr, post_key("/things", "hangup", "{}")).await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    probe.open();
+    let retry = within("the retry", retry).await.unwrap();
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.json()["run"], 1);
+    assert_eq!(
+        probe.runs(),
+        1,
+        "one execution for the hang-up and its retry"
+    );
+}
+
+async fn cancel_safe_handlers_can_opt_out(s: TestStore) {
+    let (app, probe) = app(&s.store, |b| {
+        b.cancel_on_disconnect(true)
+            .on_conflict(OnConflict::Wait(Duration::from_secs(20)))
+    });
+    probe.close();
+    let abandoned = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post_key("/things", "cancel", "{}")).await }
+    });
+    probe.started(1).await;
+    abandoned.abort();
     let _ = abandoned.await;
     probe.open();
-    // A waiting retry takes over as soon as the abandoned lease is released.
-    let retry = send(&app, post_key("/things", "gone", "{}")).await;
+    // The handler was cancelled and the key released: the retry runs it again.
+    let retry = send(&app, post_key("/things", "cancel", "{}")).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(!retry.replayed());
     assert_eq!(retry.json()["run"], 2);
+    assert_eq!(probe.finished(), 1, "the first run never finished");
+}
+
+async fn streamed_bodies_are_forwarded_and_stored(s: TestStore) {
+    let (app, probe) = app(&s.store, |b| b);
+    let first = send(&app, post_key("/stream", "s", "")).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let expected: String = (0..10).map(|i| format!("run 1 part {i};")).collect();
+    assert_eq!(first.body, expected);
+    let again = send(&app, post_key("/stream", "s", "")).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(probe.runs(), 1);
 }
 
 async fn a_lost_lease_stores_nothing(s: TestStore) {
@@ -356,17 +533,13 @@ async fn a_lost_lease_stores_nothing(s: TestStore) {
         let app = app.clone();
         async move { send(&app, post_key("/things", "slow", "{}")).await }
     });
-    while probe.runs() == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    probe.started(1).await;
     // A retry waits; when the slow holder's lease expires it takes over, runs, and completes.
     let retry = tokio::spawn({
         let app = app.clone();
         async move { send(&app, post_key("/things", "slow", "{}")).await }
     });
-    while probe.runs() < 2 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    probe.started(2).await;
     probe.open();
     let retry = retry.await.unwrap();
     let slow = slow.await.unwrap();
@@ -422,10 +595,24 @@ async fn a_response_too_large_to_store_is_not_run_again(s: TestStore) {
     assert_eq!(first.status, StatusCode::OK);
     assert_eq!(first.body.len(), 6000, "the client gets the whole body");
     let retry = send(&app, post_key("/big", "big", "")).await;
-    assert_eq!(retry.status, StatusCode::OK, "the original status");
     assert!(retry.replayed());
     assert_eq!(retry.problem(), "response-not-stored");
+    assert_eq!(
+        retry.status,
+        StatusCode::GONE,
+        "never a 2xx with a body the handler did not produce"
+    );
+    assert_eq!(retry.json()["original_status"], 200);
     assert_eq!(probe.runs(), 1);
+    // Stored headers are kept on the problem (a Location tells where the result is).
+    let (app, _) = support::app(&s.store, |b| b.record_limit(10));
+    let first = decide(&app, "located", "status=201").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = decide(&app, "located", "status=201").await;
+    assert_eq!(retry.status, StatusCode::GONE);
+    assert_eq!(retry.json()["original_status"], 201);
+    assert_eq!(retry.headers["location"], first.headers["location"]);
+    assert_eq!(retry.headers["content-type"], "application/problem+json");
 }
 
 async fn keys_from_the_json_body(s: TestStore) {
@@ -464,7 +651,7 @@ async fn keys_from_the_json_body(s: TestStore) {
 async fn fencing_tokens_grow_across_attempts(s: TestStore) {
     // Nothing is stored, so every request with the key runs: each attempt's fencing token is
     // greater than the one before, and the handler sees it.
-    let (app, probe) = app(&s.store, |b| b.store_if(|_| false));
+    let (app, probe) = app(&s.store, |b| b.default_outcome(|_| Outcome::Retryable));
     let mut last = 0;
     for _ in 0..4 {
         let r = send(&app, post_key("/things", "fenced", "{}")).await;
@@ -503,16 +690,14 @@ async fn the_suite_on_sentinel_across_a_failover() {
         let app = app.clone();
         async move { send(&app, post_key("/things", "in-flight", "{}")).await }
     });
-    while probe.runs() < 2 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    probe.started(2).await;
     group.failover().await;
     probe.open();
     let finished = in_flight.await.unwrap();
     assert_eq!(finished.status, StatusCode::CREATED);
     // The same client follows the new master (after at most a few unavailable answers).
     let mut replay = None;
-    for _ in 0..100 {
+    for _ in 0..400 {
         let r = send(&app, post_key("/things", "stored-before", "{}")).await;
         if r.status != StatusCode::SERVICE_UNAVAILABLE {
             replay = Some(r);

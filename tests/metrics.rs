@@ -46,9 +46,7 @@ async fn outcomes_are_counted() {
         let plain = plain.clone();
         async move { send(&plain, post_key("/things", "b", "{}")).await }
     });
-    while probe.runs() < 2 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    probe.started(2).await;
     assert_eq!(
         send(&plain, post_key("/things", "b", "{}")).await.status,
         StatusCode::CONFLICT
@@ -70,18 +68,14 @@ async fn outcomes_are_counted() {
         let short = short.clone();
         async move { send(&short, post_key("/things", "slow", "{}")).await }
     });
-    while probe.runs() < 1 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    probe.started(1).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     // Another attempt takes the expired lease, so the slow one's completion is refused.
     let second = tokio::spawn({
         let short = short.clone();
         async move { send(&short, post_key("/things", "slow", "{}")).await }
     });
-    while probe.runs() < 2 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    probe.started(2).await;
     probe.open();
     slow.await.unwrap();
     second.await.unwrap();

@@ -1,5 +1,6 @@
 //! The layer outside axum: a plain tower stack built with `ServiceBuilder`, with `Full<Bytes>`
-//! requests and `String` responses (the layer is generic over body types).
+//! requests and `String` responses (the layer is generic over body types; the inner service
+//! gets the layer's `RequestBody` around the original body type).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -9,7 +10,9 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use tower::{Service, ServiceBuilder, ServiceExt};
-use tower_idempotency::{IdempotencyContext, IdempotencyLayer, Store, key::RouteTemplate};
+use tower_idempotency::{
+    IdempotencyContext, IdempotencyLayer, RequestBody, Store, key::RouteTemplate,
+};
 
 #[tokio::test]
 async fn works_in_a_service_builder_with_other_body_types() {
@@ -17,7 +20,7 @@ async fn works_in_a_service_builder_with_other_body_types() {
     let counter = runs.clone();
     let mut svc = ServiceBuilder::new()
         .layer(IdempotencyLayer::new(Store::memory()))
-        .service_fn(move |req: Request<Full<Bytes>>| {
+        .service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
             let counter = counter.clone();
             async move {
                 let n = counter.fetch_add(1, Ordering::SeqCst) + 1;

@@ -99,9 +99,13 @@ async fn payment(
     ctx: Option<IdempotencyContext>,
     Json(event): Json<PaymentEvent>,
 ) -> Result<Json<Entry>, (StatusCode, String)> {
-    tokio::time::sleep(ledger.work).await;
+    // Half the work before the payment is booked (checks), half after (notifications): a
+    // client that gives up in the second half leaves a committed payment behind.
+    tokio::time::sleep(ledger.work / 2).await;
     let fence = ctx.as_ref().and_then(IdempotencyContext::fence);
-    match ledger.apply(&event, fence) {
+    let entry = ledger.apply(&event, fence);
+    tokio::time::sleep(ledger.work / 2).await;
+    match entry {
         Ok(entry) => Ok(Json(entry)),
         Err(why) => Err((StatusCode::CONFLICT, why.into())),
     }

@@ -5,25 +5,56 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
+use axum::extract::Query;
 use axum::extract::State;
 use axum::http::{HeaderMap, Request, StatusCode};
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use bytes::Bytes;
 use distlock::LockClient;
+use futures_util::StreamExt;
 use http_body_util::BodyExt;
 use testkit::RedisServer;
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
-use tower_idempotency::{IdempotencyContext, IdempotencyLayer, IdempotencyLayerBuilder, Store};
+use tower_idempotency::{
+    IdempotencyContext, IdempotencyLayer, IdempotencyLayerBuilder, Outcome, Store,
+};
+
+/// How long any test waits for something that should happen soon.
+pub const DEADLINE: Duration = Duration::from_secs(20);
+
+/// Waits until `cond` holds, checking every few milliseconds; fails the test with `what` if it
+/// does not within [`DEADLINE`].
+pub async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while !cond() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "waited {DEADLINE:?} for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Awaits `future` for at most [`DEADLINE`]; fails the test with `what` otherwise.
+pub async fn within<T>(what: &str, future: impl std::future::Future<Output = T>) -> T {
+    match tokio::time::timeout(DEADLINE, future).await {
+        Ok(value) => value,
+        Err(_) => panic!("waited {DEADLINE:?} for: {what}"),
+    }
+}
 
 /// Counts handler runs (in all and per key); a closed gate holds handlers until opened.
 #[derive(Clone)]
 pub struct Probe {
     pub runs: Arc<AtomicUsize>,
+    /// Handler runs that got past the gate and returned their response.
+    pub finished: Arc<AtomicUsize>,
     pub by_key: Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>,
     pub gate: Arc<Semaphore>,
     pub gated: Arc<std::sync::atomic::AtomicBool>,
@@ -33,6 +64,7 @@ impl Probe {
     fn new() -> Self {
         Probe {
             runs: Arc::new(AtomicUsize::new(0)),
+            finished: Arc::new(AtomicUsize::new(0)),
             by_key: Arc::default(),
             gate: Arc::new(Semaphore::new(0)),
             gated: Arc::new(std::sync::atomic::AtomicBool::new(false)),
@@ -41,6 +73,15 @@ impl Probe {
 
     pub fn runs(&self) -> usize {
         self.runs.load(Ordering::SeqCst)
+    }
+
+    pub fn finished(&self) -> usize {
+        self.finished.load(Ordering::SeqCst)
+    }
+
+    /// Waits (with a deadline) until `n` handler runs have started.
+    pub async fn started(&self, n: usize) {
+        wait_until(&format!("{n} handler run(s) started"), || self.runs() >= n).await;
     }
 
     /// Handlers wait at the gate until [`open`](Self::open).
@@ -100,6 +141,7 @@ async fn create(
         .and_then(|c| c.lease())
         .is_some_and(|l| l.is_held());
     let fence = ctx.as_ref().and_then(IdempotencyContext::fence);
+    p.finished.fetch_add(1, Ordering::SeqCst);
     (
         StatusCode::CREATED,
         [
@@ -155,7 +197,66 @@ async fn panics(State(p): State<Probe>) -> &'static str {
 /// Answers 201 without echoing anything of the request.
 async fn quiet(State(p): State<Probe>) -> impl IntoResponse {
     let run = p.enter().await;
+    p.finished.fetch_add(1, Ordering::SeqCst);
     (StatusCode::CREATED, format!("created {run}"))
+}
+
+#[derive(serde::Deserialize)]
+pub struct Decide {
+    status: u16,
+    /// `final` or `retryable` in a response extension, `ctx-final` or `ctx-retryable` through
+    /// the context; nothing: the default rule.
+    outcome: Option<String>,
+}
+
+/// Answers `?status=` with the decision `?outcome=` (see [`Decide`]).
+async fn decide(
+    State(p): State<Probe>,
+    ctx: Option<IdempotencyContext>,
+    Query(q): Query<Decide>,
+) -> Response {
+    let run = p.enter().await;
+    let mut response = (
+        StatusCode::from_u16(q.status).unwrap(),
+        [("location", format!("/things/{run}"))],
+        format!("status {} run {run}", q.status),
+    )
+        .into_response();
+    match q.outcome.as_deref() {
+        Some("final") => {
+            response.extensions_mut().insert(Outcome::Final);
+        }
+        Some("retryable") => {
+            response.extensions_mut().insert(Outcome::Retryable);
+        }
+        Some("ctx-final") => ctx.unwrap().set_outcome(Outcome::Final),
+        Some("ctx-retryable") => ctx.unwrap().set_outcome(Outcome::Retryable),
+        _ => {}
+    }
+    p.finished.fetch_add(1, Ordering::SeqCst);
+    response
+}
+
+/// Streams `run N;` ten times, 20 ms apart, then (on `?fail=1`) breaks off with an error.
+async fn stream(State(p): State<Probe>, Query(q): Query<StreamQuery>) -> Response {
+    let run = p.enter().await;
+    let chunks = futures_util::stream::iter(0..11).then(move |i| async move {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        if i < 10 {
+            Ok(Bytes::from(format!("run {run} part {i};")))
+        } else if q.fail {
+            Err(std::io::Error::other("the body broke off"))
+        } else {
+            Ok(Bytes::new())
+        }
+    });
+    (StatusCode::OK, Body::from_stream(chunks)).into_response()
+}
+
+#[derive(serde::Deserialize)]
+pub struct StreamQuery {
+    #[serde(default)]
+    fail: bool,
 }
 
 /// The service under test, with the layer configured by `configure`.
@@ -185,6 +286,8 @@ pub fn app_with(
         .route("/big", post(big))
         .route("/panics", post(panics))
         .route("/quiet", post(quiet))
+        .route("/decide", post(decide))
+        .route("/stream", post(stream))
         .layer(layer)
         .with_state(probe)
 }
@@ -197,6 +300,25 @@ pub async fn serve(router: Router) -> (std::net::SocketAddr, tokio::task::JoinHa
         axum::serve(listener, router).await.unwrap();
     });
     (addr, handle)
+}
+
+/// An HTTP/1 request written on a raw TCP connection, so that a test can hang up at any moment
+/// (as a client that times out does). Returns the open connection.
+pub async fn open_request(
+    addr: std::net::SocketAddr,
+    path: &str,
+    key: &str,
+    body: &str,
+) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\nidempotency-key: {key}\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    stream
 }
 
 /// An HTTP/1 client over loopback.

@@ -1,0 +1,14 @@
+//! Bodies: the request body handed to the inner service, reading request bodies within limits,
+//! and the response body (the handler's own, a stored one being replayed, or one fed by the
+//! protected execution running in its own task).
+
+mod request;
+mod response;
+
+pub use request::RequestBody;
+pub(crate) use request::read_request;
+pub use response::ResponseBody;
+pub(crate) use response::{AbortOnDrop, Feed, Message};
+
+/// The error type of the layer's bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

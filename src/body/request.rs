@@ -1,0 +1,187 @@
+//! The request body the inner service receives, and reading a request body within limits.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::{BodyExt, Limited};
+use pin_project_lite::pin_project;
+
+use super::BoxError;
+use crate::Rejection;
+
+pin_project! {
+    /// The request body the inner service receives: the body the layer read (to find the key
+    /// and the fingerprint), or the original body when the layer did not need to read it (a
+    /// method that is not covered, or no key while keys are optional).
+    ///
+    /// The layer accepts any [`http_body::Body`] (hyper's `Incoming`, tower-http's `Limited`,
+    /// axum's `Body`, ...) and hands this type on; axum routes and tonic services accept it as it
+    /// is (`Data = Bytes`, errors boxed).
+    ///
+    /// ```
+    /// use http_body_util::BodyExt;
+    /// use tower_idempotency::RequestBody;
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let body = RequestBody::new(http_body_util::Full::new(bytes::Bytes::from_static(b"hi")));
+    /// assert_eq!(body.collect().await.unwrap().to_bytes(), "hi");
+    /// # }
+    /// ```
+    pub struct RequestBody<B> {
+        #[pin]
+        kind: Kind<B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<B> {
+        Buffered { data: Option<Bytes> },
+        Original { #[pin] inner: B },
+    }
+}
+
+impl<B> RequestBody<B> {
+    /// Wraps a body the layer did not read.
+    pub fn new(inner: B) -> Self {
+        RequestBody {
+            kind: Kind::Original { inner },
+        }
+    }
+
+    pub(crate) fn buffered(data: Bytes) -> Self {
+        RequestBody {
+            kind: Kind::Buffered {
+                data: (!data.is_empty()).then_some(data),
+            },
+        }
+    }
+}
+
+impl<B> std::fmt::Debug for RequestBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match &self.kind {
+            Kind::Buffered { .. } => "Buffered",
+            Kind::Original { .. } => "Original",
+        };
+        f.debug_struct("RequestBody").field("kind", &kind).finish()
+    }
+}
+
+impl<B> Body for RequestBody<B>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.project().kind.project() {
+            KindProj::Buffered { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            KindProj::Original { inner } => match inner.poll_frame(cx) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
+                Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(
+                    frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))
+                ))),
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            Kind::Buffered { data } => data.is_none(),
+            Kind::Original { inner } => inner.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            Kind::Buffered { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            Kind::Original { inner } => inner.size_hint(),
+        }
+    }
+}
+
+/// Reads a request body of at most `limit` bytes within `timeout`.
+pub(crate) async fn read_request<B>(
+    body: B,
+    limit: usize,
+    timeout: Duration,
+) -> Result<Bytes, Rejection>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    match tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await {
+        Err(_) => Err(Rejection::RequestTimeout { after: timeout }),
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(error)) if error.is::<http_body_util::LengthLimitError>() => {
+            Err(Rejection::BodyTooLarge { limit })
+        }
+        Ok(Err(error)) => Err(Rejection::MalformedBody {
+            reason: format!("The request body could not be read: {error}."),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{Full, StreamBody};
+
+    type Chunks =
+        futures_util::stream::Iter<std::vec::IntoIter<Result<Frame<Bytes>, std::io::Error>>>;
+
+    fn chunks(chunks: Vec<Vec<u8>>) -> StreamBody<Chunks> {
+        let frames: Vec<Result<Frame<Bytes>, std::io::Error>> = chunks
+            .into_iter()
+            .map(|c| Ok(Frame::data(Bytes::from(c))))
+            .collect();
+        StreamBody::new(futures_util::stream::iter(frames))
+    }
+
+    #[tokio::test]
+    async fn request_bodies_are_limited() {
+        let ok = read_request(
+            Full::new(Bytes::from_static(b"12345")),
+            5,
+            Duration::from_secs(1),
+        )
+        .await;
+        assert_eq!(ok.unwrap(), Bytes::from_static(b"12345"));
+        let big = read_request(
+            Full::new(Bytes::from_static(b"123456")),
+            5,
+            Duration::from_secs(1),
+        )
+        .await;
+        assert_eq!(big.unwrap_err(), Rejection::BodyTooLarge { limit: 5 });
+        // A streamed body that crosses the limit midway.
+        let midway = read_request(
+            chunks(vec![b"123".to_vec(), b"456".to_vec()]),
+            5,
+            Duration::from_secs(1),
+        )
+        .await;
+        assert_eq!(midway.unwrap_err(), Rejection::BodyTooLarge { limit: 5 });
+    }
+
+    #[tokio::test]
+    async fn the_inner_service_gets_the_same_bytes_either_way() {
+        let read = RequestBody::<Full<Bytes>>::buffered(Bytes::from_static(b"abc"));
+        assert_eq!(read.collect().await.unwrap().to_bytes(), "abc");
+        let original = RequestBody::new(chunks(vec![b"a".to_vec(), b"bc".to_vec()]));
+        assert_eq!(original.collect().await.unwrap().to_bytes(), "abc");
+    }
+}

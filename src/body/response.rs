@@ -1,0 +1,248 @@
+//! The response body of an [`Idempotency`](crate::Idempotency) service.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, Bytes};
+use http::HeaderMap;
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+use tokio::sync::mpsc;
+
+use super::BoxError;
+
+/// What the protected execution sends to the client's body, frame by frame.
+#[derive(Debug)]
+pub(crate) enum Message {
+    Frame(Frame<Bytes>),
+    /// The body failed: the client sees an aborted body, never a complete short one.
+    Error(BoxError),
+    /// The body ended (after its outcome was stored).
+    End,
+}
+
+/// The sending side of a fed body. Sends fail silently once the client went away: the
+/// execution goes on without it.
+#[derive(Debug)]
+pub(crate) struct Feed {
+    tx: Option<mpsc::Sender<Message>>,
+}
+
+impl Feed {
+    /// Frames in flight between the execution and the client: enough to keep both busy, small
+    /// enough that the layer's memory stays a few frames.
+    const DEPTH: usize = 4;
+
+    pub(crate) fn channel<B>() -> (Feed, ResponseBody<B>) {
+        let (tx, rx) = mpsc::channel(Self::DEPTH);
+        let body = ResponseBody {
+            kind: Kind::Fed {
+                rx,
+                abort: AbortOnDrop::default(),
+                ended: false,
+            },
+        };
+        (Feed { tx: Some(tx) }, body)
+    }
+
+    /// Sends a message; returns whether the client is still there.
+    pub(crate) async fn send(&mut self, message: Message) -> bool {
+        if let Some(tx) = &self.tx
+            && tx.send(message).await.is_err()
+        {
+            self.tx = None;
+        }
+        self.tx.is_some()
+    }
+}
+
+/// Aborts the execution task when dropped, unless disarmed (only in `cancel_on_disconnect`
+/// mode; by default the execution runs to its end whatever happens to the client).
+#[derive(Debug, Default)]
+pub(crate) struct AbortOnDrop(pub(crate) Option<tokio::task::AbortHandle>);
+
+impl AbortOnDrop {
+    pub(crate) fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(handle) = self.0.take() {
+            handle.abort();
+        }
+    }
+}
+
+pin_project! {
+    /// The body of a response from an [`Idempotency`](crate::Idempotency) service: the
+    /// handler's own body (requests the layer does not protect, retryable responses), a body
+    /// fed frame by frame by the protected execution (which runs in its own task, so that the
+    /// client going away never cancels it), a stored body being replayed, or a problem document.
+    ///
+    /// A body that fails half-way (the handler's, or a stored one that turns out corrupt) ends
+    /// with an error, so the client sees an aborted response, never a complete short one.
+    pub struct ResponseBody<B> {
+        #[pin]
+        kind: Kind<B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<B> {
+        Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
+        Inner { #[pin] inner: B },
+        Fed { rx: mpsc::Receiver<Message>, abort: AbortOnDrop, ended: bool },
+    }
+}
+
+impl<B> std::fmt::Debug for ResponseBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match &self.kind {
+            Kind::Full { .. } => "Full",
+            Kind::Inner { .. } => "Inner",
+            Kind::Fed { .. } => "Fed",
+        };
+        f.debug_struct("ResponseBody").field("kind", &kind).finish()
+    }
+}
+
+impl<B> ResponseBody<B> {
+    pub(crate) fn full(data: Bytes, trailers: Option<HeaderMap>) -> Self {
+        ResponseBody {
+            kind: Kind::Full {
+                data: (!data.is_empty()).then_some(data),
+                trailers,
+            },
+        }
+    }
+
+    pub(crate) fn inner(inner: B) -> Self {
+        ResponseBody {
+            kind: Kind::Inner { inner },
+        }
+    }
+
+    /// Hands the execution's abort handle to a body the execution still feeds; the client
+    /// dropping it before its end then cancels the execution. Any other body is complete, and
+    /// so is the execution behind it: the handle is disarmed.
+    pub(crate) fn attach(&mut self, mut abort: AbortOnDrop) {
+        match &mut self.kind {
+            Kind::Fed {
+                abort: slot,
+                ended: false,
+                ..
+            } => *slot = abort,
+            _ => abort.disarm(),
+        }
+    }
+}
+
+impl<B> Body for ResponseBody<B>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.project().kind.project() {
+            KindProj::Full { data, trailers } => Poll::Ready(match data.take() {
+                Some(d) => Some(Ok(Frame::data(d))),
+                None => trailers.take().map(|t| Ok(Frame::trailers(t))),
+            }),
+            KindProj::Inner { inner } => match inner.poll_frame(cx) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
+                Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(
+                    frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))
+                ))),
+            },
+            KindProj::Fed { rx, abort, ended } => {
+                if *ended {
+                    return Poll::Ready(None);
+                }
+                match rx.poll_recv(cx) {
+                    Poll::Pending => Poll::Pending,
+                    Poll::Ready(Some(Message::Frame(frame))) => Poll::Ready(Some(Ok(frame))),
+                    Poll::Ready(Some(Message::End)) => {
+                        *ended = true;
+                        abort.disarm();
+                        Poll::Ready(None)
+                    }
+                    Poll::Ready(Some(Message::Error(error))) => {
+                        *ended = true;
+                        abort.disarm();
+                        Poll::Ready(Some(Err(error)))
+                    }
+                    Poll::Ready(None) => {
+                        *ended = true;
+                        Poll::Ready(Some(Err(
+                            "the idempotent execution ended before the response body did".into(),
+                        )))
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            Kind::Full { data, trailers } => data.is_none() && trailers.is_none(),
+            Kind::Inner { inner } => inner.is_end_stream(),
+            Kind::Fed { ended, .. } => *ended,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            Kind::Full { data, .. } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            Kind::Inner { inner } => inner.size_hint(),
+            Kind::Fed { .. } => SizeHint::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{BodyExt, Empty};
+
+    #[tokio::test]
+    async fn a_fed_body_ends_only_on_its_end_message() {
+        let (mut feed, body) = Feed::channel::<Empty<Bytes>>();
+        tokio::spawn(async move {
+            feed.send(Message::Frame(Frame::data(Bytes::from_static(b"ab"))))
+                .await;
+            feed.send(Message::End).await;
+        });
+        assert_eq!(body.collect().await.unwrap().to_bytes(), "ab");
+
+        // The sender vanishing without an end is an error, never a complete short body.
+        let (mut feed, body) = Feed::channel::<Empty<Bytes>>();
+        tokio::spawn(async move {
+            feed.send(Message::Frame(Frame::data(Bytes::from_static(b"ab"))))
+                .await;
+        });
+        assert!(body.collect().await.is_err());
+    }
+
+    #[tokio::test]
+    async fn full_bodies_carry_their_trailers() {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", "0".parse().unwrap());
+        let body = ResponseBody::<Empty<Bytes>>::full(Bytes::from_static(b"x"), Some(trailers));
+        let collected = body.collect().await.unwrap();
+        assert_eq!(collected.trailers().unwrap()["grpc-status"], "0");
+        assert_eq!(collected.to_bytes(), "x");
+    }
+}
