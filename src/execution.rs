@@ -20,14 +20,13 @@
 use std::any::Any;
 use std::future::{Future, poll_fn};
 use std::panic::AssertUnwindSafe;
-use std::pin::pin;
-use std::task::Poll;
+use std::pin::{Pin, pin};
+use std::task::{Context, Poll};
 
 use bytes::{Buf, Bytes, BytesMut};
 use futures_util::FutureExt;
 use http::{HeaderMap, Response};
 use http_body::{Body, Frame};
-use http_body_util::BodyExt;
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
@@ -122,8 +121,8 @@ where
     let mut early_len = 0;
     // What the body has ready now, up to a limit: most bodies are complete at once.
     let failed = loop {
-        let polled = poll_fn(|cx| match body.as_mut().poll_frame(cx) {
-            Poll::Ready(frame) => Poll::Ready(Some(frame.map(bytes_frame))),
+        let polled = poll_fn(|cx| match poll_frame(body.as_mut(), cx) {
+            Poll::Ready(frame) => Poll::Ready(Some(frame)),
             Poll::Pending => Poll::Ready(None),
         })
         .await;
@@ -167,7 +166,7 @@ where
     }
     let mut failed: Option<BoxError> = failed;
     while failed.is_none() {
-        let next = body.frame().await.map(bytes_frame);
+        let next = poll_fn(|cx| poll_frame(body.as_mut(), cx)).await;
         match next {
             None => break,
             Some(Ok(frame)) => {
@@ -198,14 +197,26 @@ where
     }
 }
 
-/// A frame of the handler's body with `Bytes` data (no copy when the data is `Bytes`), its
-/// error boxed.
-fn bytes_frame<D: Buf, E: Into<BoxError>>(
-    frame: Result<Frame<D>, E>,
-) -> Result<Frame<Bytes>, BoxError> {
-    frame
-        .map(|f| f.map_data(|mut d| d.copy_to_bytes(d.remaining())))
-        .map_err(Into::into)
+/// The next frame of the handler's body with `Bytes` data (no copy when the data is `Bytes`),
+/// its error boxed. A body that panics is a body that broke off: the outcome is unknown.
+fn poll_frame<B>(
+    body: Pin<&mut B>,
+    cx: &mut Context<'_>,
+) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let Ok(polled) = std::panic::catch_unwind(AssertUnwindSafe(|| body.poll_frame(cx))) else {
+        return Poll::Ready(Some(Err("the response body panicked".into())));
+    };
+    polled.map(|frame| {
+        frame.map(|frame| {
+            frame
+                .map(|f| f.map_data(|mut d| d.copy_to_bytes(d.remaining())))
+                .map_err(Into::into)
+        })
+    })
 }
 
 /// Data and trailers of frames read whole.

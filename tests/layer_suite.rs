@@ -368,25 +368,27 @@ async fn a_panicking_handler_leaves_an_unknown_outcome(s: TestStore) {
 }
 
 async fn a_body_that_breaks_off_leaves_an_unknown_outcome(s: TestStore) {
-    for (policy, rerun) in [
-        (UnknownOutcome::Record, false),
-        (UnknownOutcome::Release, true),
+    for (how, policy, rerun) in [
+        ("fail", UnknownOutcome::Record, false),
+        ("fail", UnknownOutcome::Release, true),
+        ("panic", UnknownOutcome::Record, false),
     ] {
         let (app, probe) = app(&s.store, |b| b.on_unknown_outcome(policy));
-        let key = format!("broken-{policy:?}");
+        let key = format!("broken-{how}-{policy:?}");
+        let path = format!("/stream?{how}=true");
         let response = app
             .clone()
-            .oneshot(post_key("/stream?fail=true", &key, ""))
+            .oneshot(post_key(&path, &key, ""))
             .await
             .unwrap();
         assert_eq!(response.status(), StatusCode::OK);
         assert!(
             response.into_body().collect().await.is_err(),
-            "the client sees an aborted body, never a complete short one"
+            "{how}: the client sees an aborted body, never a complete short one"
         );
         let retry = app
             .clone()
-            .oneshot(post_key("/stream?fail=true", &key, ""))
+            .oneshot(post_key(&path, &key, ""))
             .await
             .unwrap();
         let replayed = retry.headers().contains_key("idempotent-replayed");
@@ -398,7 +400,7 @@ async fn a_body_that_breaks_off_leaves_an_unknown_outcome(s: TestStore) {
             );
             assert_eq!(probe.runs(), 2);
         } else {
-            assert!(replayed);
+            assert!(replayed, "{how}");
             assert_eq!(retry.status(), StatusCode::INTERNAL_SERVER_ERROR);
             let body = retry.into_body().collect().await.unwrap().to_bytes();
             let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
@@ -408,7 +410,7 @@ async fn a_body_that_breaks_off_leaves_an_unknown_outcome(s: TestStore) {
                     .unwrap()
                     .ends_with("outcome-unknown")
             );
-            assert_eq!(probe.runs(), 1);
+            assert_eq!(probe.runs(), 1, "{how}");
         }
     }
 }

@@ -237,7 +237,8 @@ async fn decide(
     response
 }
 
-/// Streams `run N;` ten times, 20 ms apart, then (on `?fail=1`) breaks off with an error.
+/// Streams `run N part i;` ten times, 20 ms apart, then (on `?fail=true`) breaks off with an
+/// error or (on `?panic=true`) panics.
 async fn stream(State(p): State<Probe>, Query(q): Query<StreamQuery>) -> Response {
     let run = p.enter().await;
     let chunks = futures_util::stream::iter(0..11).then(move |i| async move {
@@ -246,6 +247,8 @@ async fn stream(State(p): State<Probe>, Query(q): Query<StreamQuery>) -> Respons
             Ok(Bytes::from(format!("run {run} part {i};")))
         } else if q.fail {
             Err(std::io::Error::other("the body broke off"))
+        } else if q.panic {
+            panic!("the body panics half-way");
         } else {
             Ok(Bytes::new())
         }
@@ -257,6 +260,8 @@ async fn stream(State(p): State<Probe>, Query(q): Query<StreamQuery>) -> Respons
 pub struct StreamQuery {
     #[serde(default)]
     fail: bool,
+    #[serde(default)]
+    panic: bool,
 }
 
 /// The service under test, with the layer configured by `configure`.
