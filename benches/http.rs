@@ -52,15 +52,26 @@ async fn login_handler(session: ruts::Session<ruts::store::moka::MokaStore>) -> 
     StatusCode::NO_CONTENT
 }
 
+/// The layer as a service would configure it: a server secret, header keys scoped globally
+/// (the load generator is one client).
+fn layer(store: Store) -> IdempotencyLayer {
+    IdempotencyLayer::builder(store)
+        .secret("bench secret: 32 bytes, not for real use")
+        .unwrap()
+        .global_keys()
+        .build()
+        .unwrap()
+}
+
 fn app(variant: &str, redis_url: &str) -> Router {
     let routes = Router::new().route("/pay", post(pay));
     match variant {
         "none" => routes,
         // Room for every key of a long run: eviction is not what is measured.
-        "memory" => routes.layer(IdempotencyLayer::new(Store::memory_with(
+        "memory" => routes.layer(layer(Store::memory_with(
             distlock::MemoryLimits::new(4_000_000, 2 << 30).unwrap(),
         ))),
-        "redis" => routes.layer(IdempotencyLayer::new(Store::redis(redis_url).unwrap())),
+        "redis" => routes.layer(layer(Store::redis(redis_url).unwrap())),
         "peer" => {
             let store = Arc::new(ruts::store::moka::MokaStore::builder().build());
             let options = axum_idempotent::IdempotentOptions::default()

@@ -7,6 +7,8 @@
 //! REDIS_URL=redis://127.0.0.1:6379/ cargo run --example demo  # Redis
 //! ```
 
+#[path = "shared/env.rs"]
+mod env;
 #[path = "shared/signup.rs"]
 #[allow(dead_code)] // each example uses part of the shared service
 mod signup_app;
@@ -99,9 +101,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             .unwrap_or(0)
     );
 
-    let store = signup_app::store_from_env()?;
+    let store = env::store()?;
+    let secret = env::secret(&store)?;
     let users = signup_app::Users::with_work(work);
-    let addr = serve(signup_app::app(store.clone(), users.clone())?).await?;
+    let addr = serve(signup_app::app(store.clone(), &secret, users.clone())?).await?;
     let tally = burst(addr, &phone).await?;
     print_tally(
         &format!(

@@ -3,12 +3,15 @@
 //!
 //! ```sh
 //! cargo run --example signup                                 # in-memory store, 127.0.0.1:3000
+//! IDEMPOTENCY_SECRET=$(head -c32 /dev/urandom | base64) # the same on every instance
 //! REDIS_URL=redis://127.0.0.1:6379/ BIND=127.0.0.1:3001 cargo run --example signup
 //! IDEMPOTENCY=off cargo run --example signup                 # no layer: see the duplicates
 //! curl -i -X POST localhost:3000/signup -H 'content-type: application/json' \
 //!      -d '{"phone":"+15550100","name":"Ada"}'
 //! ```
 
+#[path = "shared/env.rs"]
+mod env;
 #[path = "shared/signup.rs"]
 #[allow(dead_code)] // each example uses part of the shared service
 mod signup_app;
@@ -23,11 +26,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .init();
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
-    let store = signup_app::store_from_env()?;
+    let store = env::store()?;
+    let secret = env::secret(&store)?;
     let users = signup_app::Users::with_work(Duration::from_millis(300));
     let protected = std::env::var("IDEMPOTENCY").map_or(true, |v| v != "off");
     let app = if protected {
-        signup_app::app(store.clone(), users)?
+        signup_app::app(store.clone(), &secret, users)?
     } else {
         signup_app::unprotected(users)
     };

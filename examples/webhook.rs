@@ -8,6 +8,8 @@
 //! curl localhost:3000/ledger
 //! ```
 
+#[path = "shared/env.rs"]
+mod env;
 #[path = "shared/webhook.rs"]
 #[allow(dead_code)] // each example uses part of the shared service
 mod webhook_app;
@@ -22,9 +24,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .init();
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
-    let store = webhook_app::store_from_env()?;
+    let store = env::store()?;
+    let secret = env::secret(&store)?;
     let app = webhook_app::app(
         store.clone(),
+        &secret,
         webhook_app::Ledger::with_work(Duration::from_millis(500)),
     )?;
     let listener = tokio::net::TcpListener::bind(&bind).await?;

@@ -14,8 +14,9 @@ use crate::fingerprint::fingerprint;
 use crate::layer::{Config, OnConflict};
 use crate::metrics::{Event, count, store_latency};
 use crate::outcome::DecisionCell;
+use crate::record::Sealer;
 use crate::replay::{problem, replay};
-use crate::scope::store_name;
+use crate::scope::derive;
 use crate::{IdempotencyContext, Rejection};
 
 /// A protected execution: the lease, and what is needed to store its outcome.
@@ -23,6 +24,8 @@ use crate::{IdempotencyContext, Rejection};
 pub(crate) struct Run {
     pub(crate) guard: OnceGuard,
     pub(crate) fingerprint: [u8; 32],
+    /// The AES-256-GCM key of the record (derived from the raw key, its scope and the secret).
+    pub(crate) record_key: [u8; 32],
     pub(crate) config: Arc<Config>,
     /// The handler's decision through its context, if it made one.
     pub(crate) decision: Arc<DecisionCell>,
@@ -119,8 +122,29 @@ where
             retry_after: config.retry_after,
         });
     }
-    let name = store_name(&parts, config.principal.as_deref(), &key);
-    let fingerprint = fingerprint(&parts, &config.fingerprint_headers, &bytes);
+    let principal = match &config.principal {
+        None => None,
+        Some(source) => match source.principal(&parts) {
+            Some(who) => Some(who),
+            None => {
+                tracing::error!(
+                    source = %source.describe(),
+                    "idempotency: no principal for this request; is the layer before the authentication layer?"
+                );
+                return reject(Rejection::PrincipalMissing {
+                    source: source.describe(),
+                });
+            }
+        },
+    };
+    let derived = derive(&config.keys, &parts, principal.as_deref(), &key);
+    let name = derived.name;
+    let fingerprint = fingerprint(
+        config.keys.fingerprinter(),
+        &parts,
+        &config.fingerprint_headers,
+        &bytes,
+    );
     let once = match config.store.client().once(&name) {
         Ok(once) => once,
         Err(e) => unreachable!("a hex name is a valid lock name: {e}"),
@@ -152,6 +176,7 @@ where
                 run: Some(Box::new(Run {
                     guard,
                     fingerprint,
+                    record_key: derived.record_key,
                     config,
                     decision,
                     span,
@@ -159,7 +184,8 @@ where
             }
         }
         Ok(Begin::Done(stored)) => {
-            let (response, outcome) = replay(&config, &stored, &fingerprint);
+            let sealer = Sealer::new(&derived.record_key, &name);
+            let (response, outcome) = replay(&config, &sealer, &stored, &fingerprint);
             tracing::debug!(key = %name, outcome = outcome.as_str(), "idempotency: stored outcome");
             count(outcome);
             Decision::Respond(response)

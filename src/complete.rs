@@ -9,7 +9,7 @@ use http::{HeaderMap, HeaderName, StatusCode};
 use crate::begin::Run;
 use crate::metrics::{Event, count, store_latency};
 use crate::outcome::UnknownOutcome;
-use crate::record::{Encode, Kind};
+use crate::record::{Encode, Kind, Sealer};
 
 /// Stores a final response: its status, kept headers, body (`None`: over the storage limit,
 /// only the status and headers are kept) and trailers.
@@ -41,7 +41,7 @@ pub(crate) async fn response(
         body: body.unwrap_or_default(),
         trailers: body.and(trailers),
     }
-    .to_vec();
+    .seal(&Sealer::new(&run.record_key, run.guard.guard().name()));
     store(run, &record, Event::Executed).await;
 }
 
@@ -74,7 +74,7 @@ pub(crate) async fn unknown(run: Run, why: &str) {
                 body: &[],
                 trailers: None,
             }
-            .to_vec();
+            .seal(&Sealer::new(&run.record_key, run.guard.guard().name()));
             store(run, &record, Event::Unknown).await;
         }
     }

@@ -62,6 +62,14 @@ pub trait KeySource: Send + Sync + 'static {
     fn needs_body(&self) -> bool {
         true
     }
+
+    /// Whether clients choose the key freely (a header), as opposed to a key that names a thing
+    /// (a phone number, an event id, an order id). A layer with a client-chosen key needs a
+    /// principal or an explicit [`global_keys`](crate::IdempotencyLayerBuilder::global_keys).
+    /// Closures are assumed to be client-chosen.
+    fn client_chosen(&self) -> bool {
+        true
+    }
 }
 
 impl<F> KeySource for F
@@ -91,6 +99,10 @@ impl KeySource for Box<dyn KeySource> {
 
     fn needs_body(&self) -> bool {
         (**self).needs_body()
+    }
+
+    fn client_chosen(&self) -> bool {
+        (**self).client_chosen()
     }
 }
 
@@ -127,6 +139,10 @@ impl<A: KeySource, B: KeySource> KeySource for Or<A, B> {
 
     fn needs_body(&self) -> bool {
         self.0.needs_body() || self.1.needs_body()
+    }
+
+    fn client_chosen(&self) -> bool {
+        self.0.client_chosen() || self.1.client_chosen()
     }
 }
 
@@ -336,6 +352,10 @@ impl KeySource for JsonKey {
     fn describe(&self) -> String {
         format!("the JSON field {}", self.pointer)
     }
+
+    fn client_chosen(&self) -> bool {
+        false
+    }
 }
 
 /// The key from a form body: see [`form`].
@@ -374,6 +394,10 @@ impl KeySource for FormKey {
 
     fn describe(&self) -> String {
         format!("the form field {:?}", self.field)
+    }
+
+    fn client_chosen(&self) -> bool {
+        false
     }
 }
 
@@ -422,6 +446,10 @@ impl KeySource for QueryKey {
     }
 
     fn needs_body(&self) -> bool {
+        false
+    }
+
+    fn client_chosen(&self) -> bool {
         false
     }
 }
@@ -500,6 +528,10 @@ impl KeySource for PathKey {
     }
 
     fn needs_body(&self) -> bool {
+        false
+    }
+
+    fn client_chosen(&self) -> bool {
         false
     }
 }

@@ -9,7 +9,8 @@ use tower_layer::Layer;
 
 use crate::key::{self, KeySource};
 use crate::outcome::default_outcome;
-use crate::scope::Principal;
+use crate::principal::PrincipalSource;
+use crate::secret::{Keys, MIN_SECRET_LEN};
 use crate::{ConfigError, Idempotency, Outcome, Store, UnknownOutcome};
 
 /// What to do with a request whose key is in flight (another request with the same key and
@@ -153,9 +154,10 @@ pub(crate) type DefaultOutcome = dyn Fn(StatusCode) -> Outcome + Send + Sync;
 /// The checked configuration, shared by every clone of the layer and its services.
 pub(crate) struct Config {
     pub(crate) store: Store,
+    pub(crate) keys: Keys,
     pub(crate) key: Arc<dyn KeySource>,
     pub(crate) key_required: bool,
-    pub(crate) principal: Option<Arc<Principal>>,
+    pub(crate) principal: Option<Arc<dyn PrincipalSource>>,
     pub(crate) methods: Vec<Method>,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) body_limit: usize,
@@ -175,6 +177,7 @@ impl std::fmt::Debug for Config {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Config")
             .field("store", &self.store.describe())
+            .field("secret", &self.keys.has_secret())
             .field("key", &self.key.describe())
             .field("key_required", &self.key_required)
             .field("principal", &self.principal.is_some())
@@ -205,9 +208,11 @@ impl std::fmt::Debug for Config {
 /// async fn signup() -> &'static str { "created" }
 ///
 /// let store = Store::redis("redis://127.0.0.1:6379/")?;
-/// let app: Router = Router::new()
-///     .route("/signup", post(signup))
-///     .layer(IdempotencyLayer::builder(store).key(key::json("/phone")?).build()?);
+/// let layer = IdempotencyLayer::builder(store)
+///     .secret(std::env::var("IDEMPOTENCY_SECRET")?)?
+///     .key(key::json("/phone")?)
+///     .build()?;
+/// let app: Router = Router::new().route("/signup", post(signup)).layer(layer);
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
@@ -216,18 +221,6 @@ pub struct IdempotencyLayer {
 }
 
 impl IdempotencyLayer {
-    /// The defaults on `store`: key from the `Idempotency-Key` header (required), POST and
-    /// PATCH covered, 409 on conflict, 24 h retention.
-    ///
-    /// ```
-    /// let layer = tower_idempotency::IdempotencyLayer::new(tower_idempotency::Store::memory());
-    /// ```
-    pub fn new(store: Store) -> Self {
-        Self::builder(store)
-            .build()
-            .expect("the default configuration is valid")
-    }
-
     /// A builder on `store`.
     ///
     /// ```
@@ -235,7 +228,9 @@ impl IdempotencyLayer {
     /// use std::time::Duration;
     /// use tower_idempotency::{IdempotencyLayer, KeySourceExt, OnConflict, Store, key};
     /// let layer = IdempotencyLayer::builder(Store::memory())
+    ///     .secret("a secret of 32 random bytes.....")?
     ///     .key(key::header().or(key::json("/id")?))
+    ///     .global_keys() // a webhook: one sender
     ///     .on_conflict(OnConflict::Wait(Duration::from_secs(5)))
     ///     .retention(Duration::from_secs(3600))
     ///     .build()?;
@@ -244,10 +239,12 @@ impl IdempotencyLayer {
     pub fn builder(store: Store) -> IdempotencyLayerBuilder {
         IdempotencyLayerBuilder {
             store,
+            secret: None,
             lease: None,
             key: Arc::new(key::header()),
             key_required: true,
             principal: None,
+            global_keys: false,
             methods: vec![Method::POST, Method::PATCH],
             fingerprint_headers: vec![header::CONTENT_TYPE],
             body_limit: 1 << 20,
@@ -282,10 +279,12 @@ impl<S> Layer<S> for IdempotencyLayer {
 #[must_use]
 pub struct IdempotencyLayerBuilder {
     store: Store,
+    secret: Option<Vec<u8>>,
     lease: Option<distlock::LockConfig>,
     key: Arc<dyn KeySource>,
     key_required: bool,
-    principal: Option<Arc<Principal>>,
+    principal: Option<Arc<dyn PrincipalSource>>,
+    global_keys: bool,
     methods: Vec<Method>,
     fingerprint_headers: Vec<HeaderName>,
     body_limit: usize,
@@ -314,6 +313,48 @@ impl std::fmt::Debug for IdempotencyLayerBuilder {
 pub const MAX_RECORD_LIMIT: usize = 256 << 20;
 
 impl IdempotencyLayerBuilder {
+    /// The server secret (at least [`MIN_SECRET_LEN`] bytes; 32 random bytes recommended, the
+    /// same on every instance), for example from an environment variable.
+    ///
+    /// With it, nothing in the store can be computed or forged without it: the store name of a
+    /// key and the request fingerprint are HMAC-SHA256 under keys derived from it, and each
+    /// record is sealed with AES-256-GCM under a key derived from it, the raw idempotency key
+    /// and its scope ([`secret`](crate::secret)). Without it the same derivations run with an
+    /// empty secret: raw input still never reaches the store, but names and fingerprints of
+    /// guessable keys (a phone number) can be recovered by enumeration, and whoever knows a key
+    /// can open or forge its record. Keys read from the request body (a phone number, an
+    /// e-mail) are refused without a secret.
+    ///
+    /// Rotating the secret: records stored under the old one simply stop matching (a retry
+    /// that arrives after the rotation runs the handler again), so rotate when that is
+    /// acceptable, e.g. after the retention period with the traffic drained.
+    ///
+    /// # Errors
+    /// If the secret is shorter than [`MIN_SECRET_LEN`] bytes.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), tower_idempotency::ConfigError> {
+    /// use tower_idempotency::{IdempotencyLayer, Store};
+    /// let secret = std::env::var("IDEMPOTENCY_SECRET")
+    ///     .unwrap_or_else(|_| "change me: 32 random bytes, base64".into());
+    /// let b = IdempotencyLayer::builder(Store::memory()).secret(secret)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn secret(mut self, secret: impl AsRef<[u8]>) -> Result<Self, ConfigError> {
+        let secret = secret.as_ref();
+        if secret.len() < MIN_SECRET_LEN {
+            return Err(ConfigError::Invalid {
+                field: "secret",
+                reason: format!(
+                    "{} bytes is too short to be a secret: use at least {MIN_SECRET_LEN} (32 random bytes recommended)",
+                    secret.len()
+                ),
+            });
+        }
+        self.secret = Some(secret.to_vec());
+        Ok(self)
+    }
+
     /// Where the key comes from (default: the `Idempotency-Key` header). See [`key`].
     ///
     /// ```
@@ -339,21 +380,40 @@ impl IdempotencyLayerBuilder {
         self
     }
 
-    /// Scopes keys to a principal derived from the request (a user id, a tenant, an API key id):
-    /// the same key from two principals is two keys, so no one can replay someone else's
-    /// response. Returning `None` puts the request in the anonymous scope.
+    /// Scopes keys to the principal (user, tenant, API client) the request comes from: the same
+    /// key from two principals is two keys, so no one can replay or squat someone else's. Take
+    /// it from what authentication established ([`principal::extension`](crate::principal::extension),
+    /// [`principal::claim`](crate::principal::claim)), never from raw credentials that change
+    /// on refresh. A request without a principal is refused (500 `principal-missing`). See
+    /// [`principal`](crate::principal).
     ///
     /// ```
-    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
-    ///     .principal(|parts| {
-    ///         parts.headers.get("authorization")?.to_str().ok().map(String::from)
-    ///     });
+    /// # fn main() -> Result<(), tower_idempotency::ConfigError> {
+    /// use tower_idempotency::{IdempotencyLayer, Store, principal};
+    /// let layer = IdempotencyLayer::builder(Store::memory())
+    ///     .principal(principal::claim("sub"))
+    ///     .build()?;
+    /// # Ok(()) }
     /// ```
-    pub fn principal<F>(mut self, principal: F) -> Self
-    where
-        F: Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
-    {
-        self.principal = Some(Arc::new(principal));
+    pub fn principal(mut self, source: impl PrincipalSource) -> Self {
+        self.principal = Some(Arc::new(source));
+        self
+    }
+
+    /// Declares the keys global: one key means one operation whoever sends it (a provider's
+    /// webhook deliveries, a single-tenant service). Needed when the key is chosen by clients
+    /// (a header, a closure) and no [`principal`](Self::principal) scopes it; keys that name a
+    /// thing (a phone number, an event id) are global by nature and need neither.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), tower_idempotency::ConfigError> {
+    /// use tower_idempotency::{IdempotencyLayer, Store};
+    /// // A webhook endpoint: the provider is the only client.
+    /// let layer = IdempotencyLayer::builder(Store::memory()).global_keys().build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn global_keys(mut self) -> Self {
+        self.global_keys = true;
         self
     }
 
@@ -573,6 +633,7 @@ impl IdempotencyLayerBuilder {
     /// use std::time::Duration;
     /// use tower_idempotency::{IdempotencyLayer, Store};
     /// let err = IdempotencyLayer::builder(Store::memory())
+    ///     .global_keys()
     ///     .retention(Duration::from_secs(1))
     ///     .build()
     ///     .unwrap_err();
@@ -601,6 +662,40 @@ impl IdempotencyLayerBuilder {
         if self.retry_after.is_zero() {
             return invalid("retry_after", "must be above zero".into());
         }
+        if self.principal.is_some() && self.global_keys {
+            return invalid(
+                "principal",
+                "both a principal and global_keys(): keys are either scoped or global".into(),
+            );
+        }
+        if self.principal.is_none() && !self.global_keys && self.key.client_chosen() {
+            return invalid(
+                "principal",
+                format!(
+                    "the key comes from {}, which clients choose: scope keys with .principal(...) \
+                     (who sends the request) or declare them global with .global_keys()",
+                    self.key.describe()
+                ),
+            );
+        }
+        if self.secret.is_none() && self.key.needs_body() {
+            return invalid(
+                "secret",
+                format!(
+                    "the key comes from {}: such keys (phone numbers, e-mails) are guessable, and \
+                     without a server secret their names and records in the store can be recovered \
+                     and forged: set .secret(...)",
+                    self.key.describe()
+                ),
+            );
+        }
+        if self.secret.is_none() {
+            tracing::warn!(
+                "tower-idempotency: no server secret (IdempotencyLayerBuilder::secret): store names, \
+                 fingerprints and record keys derive from the keys alone; guessable keys can be \
+                 recovered from the store and their records opened or forged"
+            );
+        }
         let store = match self.lease {
             Some(config) => Store::from_client(self.store.client().with_config(config)),
             None => self.store,
@@ -624,6 +719,7 @@ impl IdempotencyLayerBuilder {
         Ok(IdempotencyLayer {
             config: Arc::new(Config {
                 store,
+                keys: Keys::new(self.secret.as_deref()),
                 key: self.key,
                 key_required: self.key_required,
                 principal: self.principal,
@@ -650,7 +746,7 @@ mod tests {
     use super::*;
 
     fn base() -> IdempotencyLayerBuilder {
-        IdempotencyLayer::builder(Store::memory())
+        IdempotencyLayer::builder(Store::memory()).global_keys()
     }
 
     #[test]
@@ -680,6 +776,39 @@ mod tests {
                 other => panic!("{field}: {other:?}"),
             }
         }
+        // Scoping: a client-chosen key needs a principal or global_keys(), not both.
+        let bare = || IdempotencyLayer::builder(Store::memory());
+        for (builder, field) in [
+            (bare(), "principal"),
+            (
+                bare()
+                    .global_keys()
+                    .principal(|_: &http::request::Parts| None),
+                "principal",
+            ),
+            // A guessable key from the body needs a secret.
+            (bare().key(key::json("/phone").unwrap()), "secret"),
+        ] {
+            match builder.build() {
+                Err(ConfigError::Invalid { field: f, reason }) => assert_eq!(f, field, "{reason}"),
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+        assert!(
+            bare()
+                .key(key::json("/phone").unwrap())
+                .secret([1u8; 16])
+                .unwrap()
+                .build()
+                .is_ok()
+        );
+        assert!(
+            bare()
+                .principal(|_: &http::request::Parts| None)
+                .build()
+                .is_ok()
+        );
+        assert!(bare().secret(b"short").is_err());
         assert!(base().lease(Duration::from_millis(1)).is_err());
         assert!(base().fingerprint_headers(["bad header"]).is_err());
     }

@@ -4,13 +4,18 @@
 //! # #[tokio::main]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use axum::{Router, routing::post};
-//! use tower_idempotency::{IdempotencyLayer, Store};
+//! use tower_idempotency::{IdempotencyLayer, Store, principal};
+//!
+//! #[derive(Clone)]
+//! struct Customer { id: String } // put into the request by your authentication layer
 //!
 //! async fn pay() -> &'static str { "paid" }
 //!
-//! let app: Router = Router::new()
-//!     .route("/payments", post(pay))
-//!     .layer(IdempotencyLayer::new(Store::redis("redis://127.0.0.1:6379/")?));
+//! let layer = IdempotencyLayer::builder(Store::redis("redis://127.0.0.1:6379/")?)
+//!     .secret(std::env::var("IDEMPOTENCY_SECRET")?)?
+//!     .principal(principal::extension(|c: &Customer| c.id.clone()))
+//!     .build()?;
+//! let app: Router = Router::new().route("/payments", post(pay)).layer(layer);
 //! # Ok(()) }
 //! ```
 //!
@@ -18,7 +23,11 @@
 //!
 //! 1. **Key**: from the `Idempotency-Key` header, a JSON field (`/phone`), a form field, a path
 //!    or query parameter, or a closure ([`key`]). It is scoped to the method, the matched route
-//!    and an optional principal, and hashed: raw input never reaches the store.
+//!    and the principal ([`principal`]; a key chosen by clients needs one, or the explicit
+//!    [`global_keys`](IdempotencyLayerBuilder::global_keys)). With the server
+//!    [`secret`](IdempotencyLayerBuilder::secret), the store sees only keyed hashes, records
+//!    sealed with AES-256-GCM, lease tokens and fence counters: nothing readable or forgeable
+//!    without the request and the secret.
 //! 2. **Fingerprint**: SHA-256 of the method, path, chosen headers and body. A key reused for a
 //!    different request gets **422**.
 //! 3. **Begin**, one atomic step in the store: a stored response is **replayed** (same status,
@@ -70,10 +79,12 @@ pub mod key;
 pub mod layer;
 mod metrics;
 pub mod outcome;
+pub mod principal;
 pub mod problem;
 mod record;
 mod replay;
 mod scope;
+mod secret;
 mod service;
 mod store;
 
@@ -89,6 +100,7 @@ pub use layer::{IdempotencyLayer, IdempotencyLayerBuilder, OnConflict, ReplayHea
 pub use outcome::{Outcome, UnknownOutcome};
 pub use problem::Rejection;
 pub use replay::IDEMPOTENT_REPLAYED;
+pub use secret::MIN_SECRET_LEN;
 pub use service::Idempotency;
 pub use store::{DEFAULT_PREFIX, Store};
 
@@ -96,13 +108,22 @@ pub use store::{DEFAULT_PREFIX, Store};
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing {
-    /// Decodes a stored record; must never panic, whatever the bytes.
+    /// Decodes a record's plaintext, and opens `bytes` as a sealed record under a fixed key;
+    /// must never panic, whatever the bytes.
     pub fn decode_record(bytes: &[u8]) -> Result<(), String> {
+        let sealer = crate::record::Sealer::new(&[7; 32], "fuzz");
+        let _ = crate::record::Record::open(&sealer, bytes);
         crate::record::Record::decode(&bytes::Bytes::copy_from_slice(bytes)).map(|_| ())
     }
 
     /// The fingerprint of a request's parts and body.
     pub fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> [u8; 32] {
-        crate::fingerprint::fingerprint(parts, &[http::header::CONTENT_TYPE], body)
+        let keys = crate::secret::Keys::new(Some(b"fuzzing secret, 32 bytes long..."));
+        crate::fingerprint::fingerprint(
+            keys.fingerprinter(),
+            parts,
+            &[http::header::CONTENT_TYPE],
+            body,
+        )
     }
 }

@@ -13,6 +13,7 @@
 //! | `unsupported-media-type` | 415 | the key comes from a JSON or form body of another content type |
 //! | `key-reused` | 422 | the key was used for a request with another fingerprint |
 //! | `record-unreadable` | 500 | the stored outcome for this key is corrupt or from an unknown format |
+//! | `principal-missing` | 500 | keys are scoped to a principal and the request has none (the layer runs before authentication?) |
 //! | `outcome-unknown` | 500 | a retry of a request whose handler panicked, failed or whose body broke off: it may have done its work (with the attempt's `fence`, for reconciliation) |
 //! | `store-unavailable` | 503 | the store cannot be reached (with `Retry-After`; fail-closed mode) |
 //! | `response-not-stored` | 410 | a retry of a request whose response body was too large to store: it was processed (the `original_status` member says with which status, and stored headers such as `Location` are kept), the body cannot be replayed |
@@ -96,6 +97,11 @@ pub enum Rejection {
         /// The storage limit in bytes.
         limit: usize,
     },
+    /// Keys are scoped to a principal and the request has none.
+    PrincipalMissing {
+        /// Where the principal was looked for.
+        source: String,
+    },
     /// The handler started and its outcome is unknown (it panicked, the service failed, or its
     /// response body broke off).
     OutcomeUnknown {
@@ -125,7 +131,9 @@ impl Rejection {
             Rejection::RecordUnreadable { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             Rejection::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Rejection::ResponseNotStored { .. } => StatusCode::GONE,
-            Rejection::OutcomeUnknown { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            Rejection::OutcomeUnknown { .. } | Rejection::PrincipalMissing { .. } => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         }
     }
 
@@ -149,6 +157,7 @@ impl Rejection {
             Rejection::StoreUnavailable { .. } => "store-unavailable",
             Rejection::ResponseNotStored { .. } => "response-not-stored",
             Rejection::OutcomeUnknown { .. } => "outcome-unknown",
+            Rejection::PrincipalMissing { .. } => "principal-missing",
         }
     }
 
@@ -180,6 +189,7 @@ impl Rejection {
             Rejection::OutcomeUnknown { .. } => {
                 "The request was started, and whether it did its work is unknown"
             }
+            Rejection::PrincipalMissing { .. } => "The server cannot tell who sent this request",
         }
     }
 
@@ -229,6 +239,10 @@ impl Rejection {
                  the {limit}-byte storage limit, so it cannot be replayed. Do not send the request again \
                  with a new key unless you mean to repeat it.",
                 status.as_u16()
+            ),
+            Rejection::PrincipalMissing { source } => format!(
+                "Idempotency keys are scoped to the sender, taken from {source}, and this request \
+                 has none; it was not processed."
             ),
             Rejection::OutcomeUnknown { fence } => format!(
                 "The first request with this key started (attempt {fence}) and then failed; it may or may \
@@ -343,6 +357,9 @@ mod tests {
                 limit: 9,
             },
             Rejection::OutcomeUnknown { fence: 7 },
+            Rejection::PrincipalMissing {
+                source: "the claim /sub".into(),
+            },
         ];
         for r in all {
             let res = r.to_response();

@@ -7,7 +7,7 @@ use crate::Rejection;
 use crate::body::ResponseBody;
 use crate::layer::Config;
 use crate::metrics::Event;
-use crate::record::{Kind, Record};
+use crate::record::{Kind, Record, Sealer};
 
 /// Marks a replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
@@ -22,10 +22,11 @@ pub(crate) fn problem<B>(rejection: &Rejection) -> Response<ResponseBody<B>> {
 /// The answer to a request whose key has a stored record.
 pub(crate) fn replay<B>(
     config: &Config,
+    sealer: &Sealer<'_>,
     stored: &Bytes,
     fingerprint: &[u8; 32],
 ) -> (Response<ResponseBody<B>>, Event) {
-    let record = match Record::decode(stored) {
+    let record = match Record::open(sealer, stored) {
         Ok(record) => record,
         Err(reason) => {
             tracing::error!(%reason, "stored idempotency record is unreadable; not running the handler again");

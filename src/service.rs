@@ -23,7 +23,7 @@ use crate::layer::Config;
 ///
 /// ```
 /// use tower_idempotency::{Idempotency, IdempotencyLayer, RequestBody, Store};
-/// let layer = IdempotencyLayer::new(Store::memory());
+/// let layer = IdempotencyLayer::builder(Store::memory()).global_keys().build().unwrap();
 /// let svc = tower::service_fn(|_req: http::Request<RequestBody<axum::body::Body>>| async {
 ///     Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::empty()))
 /// });
@@ -46,7 +46,7 @@ impl<S> Idempotency<S> {
     /// # use tower_idempotency::{Idempotency, IdempotencyLayer, Store};
     /// let svc = Idempotency::new(tower::service_fn(|_: http::Request<tower_idempotency::RequestBody<axum::body::Body>>| async {
     ///     Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::empty()))
-    /// }), &IdempotencyLayer::new(Store::memory()));
+    /// }), &IdempotencyLayer::builder(Store::memory()).global_keys().build().unwrap());
     /// ```
     pub fn new(inner: S, layer: &crate::IdempotencyLayer) -> Self {
         Idempotency::from_config(inner, layer.config().clone())

@@ -25,6 +25,9 @@ fn router(store: &Store, runs: Arc<AtomicUsize>) -> Router {
     };
     let with = |k: Box<dyn tower_idempotency::KeySource>| {
         IdempotencyLayer::builder(store.clone())
+            .secret(support::SECRET)
+            .unwrap()
+            .global_keys()
             .key(k)
             .body_limit(1024)
             .read_timeout(Duration::from_millis(300))

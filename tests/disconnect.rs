@@ -77,7 +77,12 @@ async fn pay(State(p): State<Payments>) -> (StatusCode, String) {
 fn app(store: &Store, payments: &Payments) -> Router {
     Router::new()
         .route("/pay", post(pay))
-        .layer(IdempotencyLayer::new(store.clone()))
+        .layer(
+            IdempotencyLayer::builder(store.clone())
+                .global_keys()
+                .build()
+                .unwrap(),
+        )
         .with_state(payments.clone())
 }
 

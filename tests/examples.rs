@@ -36,7 +36,7 @@ fn delivery(event: &str, order: &str, amount: u64, header: bool) -> Request<Body
 
 async fn signups_create_one_account_per_phone(s: TestStore) {
     let users = signup_app::Users::with_work(Duration::from_millis(50));
-    let app = signup_app::app(s.store.clone(), users.clone()).unwrap();
+    let app = signup_app::app(s.store.clone(), support::SECRET, users.clone()).unwrap();
     let tasks: Vec<_> = (0..60)
         .map(|i| {
             let app = app.clone();
@@ -63,7 +63,7 @@ async fn signups_create_one_account_per_phone(s: TestStore) {
 
 async fn every_payment_event_is_applied_once(s: TestStore) {
     let ledger = webhook_app::Ledger::with_work(Duration::from_millis(30));
-    let app = webhook_app::app(s.store.clone(), ledger.clone()).unwrap();
+    let app = webhook_app::app(s.store.clone(), support::SECRET, ledger.clone()).unwrap();
     // 10 events, each delivered 6 times concurrently: with and without the provider's header.
     let tasks: Vec<_> = (0..10)
         .flat_map(|e| (0..6).map(move |_| e))

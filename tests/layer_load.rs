@@ -115,10 +115,24 @@ async fn deliveries_under_faults_are_applied_exactly_once() {
     let server = RedisServer::start_owned().await;
     let prefix = testkit::unique_prefix("load");
     let ledger = webhook_app::Ledger::with_work(ms(3));
-    let (addr_a, _a) =
-        serve(webhook_app::app(store(&server, &prefix).await, ledger.clone()).unwrap()).await;
-    let (addr_b, _b) =
-        serve(webhook_app::app(store(&server, &prefix).await, ledger.clone()).unwrap()).await;
+    let (addr_a, _a) = serve(
+        webhook_app::app(
+            store(&server, &prefix).await,
+            support::SECRET,
+            ledger.clone(),
+        )
+        .unwrap(),
+    )
+    .await;
+    let (addr_b, _b) = serve(
+        webhook_app::app(
+            store(&server, &prefix).await,
+            support::SECRET,
+            ledger.clone(),
+        )
+        .unwrap(),
+    )
+    .await;
     let addrs = [addr_a, addr_b];
 
     let stop = Arc::new(AtomicBool::new(false));

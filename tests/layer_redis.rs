@@ -10,6 +10,7 @@ use axum::http::{Request, StatusCode};
 use redis::AsyncCommands;
 use support::{app, app_with, client, http, post_key, redis_store, send, serve};
 use testkit::RedisServer;
+use tower::ServiceExt;
 use tower_idempotency::{Store, key};
 
 /// Hundreds of concurrent duplicates, spread over two service instances that share one Redis,
@@ -155,55 +156,209 @@ async fn the_layer_recovers_after_a_redis_restart() {
     assert_eq!(probe.runs(), 2);
 }
 
-/// Only hashes reach Redis: no phone number in any key, and the in-flight tag is a digest.
-#[tokio::test]
-async fn no_raw_input_lands_in_redis() {
-    let server = RedisServer::start().await;
-    let prefix = testkit::unique_prefix("raw");
-    let store = redis_store(&server.url(), &prefix).await;
-    let (app, _) = app(&store, |b| b.key(key::json("/phone").unwrap()));
-    let signup = Request::post("/quiet")
-        .header("content-type", "application/json")
-        .body(Body::from(r#"{"phone":"+15550100777","name":"Ada"}"#))
-        .unwrap();
-    assert_eq!(send(&app, signup).await.status, StatusCode::CREATED);
+/// Every key and value in the Redis database, dumped whatever its type.
+async fn dump(server: &RedisServer) -> Vec<(String, Vec<u8>)> {
     let mut r = server.connection().await;
-    let keys: Vec<String> = r.keys(format!("{prefix}:*")).await.unwrap();
-    assert_eq!(keys.len(), 1, "one state key per request: {keys:?}");
-    for k in &keys {
-        assert!(!k.contains("15550100777"), "{k}");
-        let fields: Vec<(String, Vec<u8>)> = r.hgetall(k).await.unwrap();
-        for (field, value) in fields {
+    let mut out = Vec::new();
+    let keys: Vec<String> = r.keys("*").await.unwrap();
+    for key in keys {
+        let kind: String = redis::cmd("TYPE")
+            .arg(&key)
+            .query_async(&mut r)
+            .await
+            .unwrap();
+        let values: Vec<Vec<u8>> = match kind.as_str() {
+            "string" => vec![r.get(&key).await.unwrap()],
+            "hash" => {
+                let fields: Vec<(Vec<u8>, Vec<u8>)> = r.hgetall(&key).await.unwrap();
+                fields.into_iter().flat_map(|(f, v)| [f, v]).collect()
+            }
+            "list" => r.lrange(&key, 0, -1).await.unwrap(),
+            "set" => r.smembers(&key).await.unwrap(),
+            "stream" => {
+                let reply: redis::Value = redis::cmd("XRANGE")
+                    .arg(&key)
+                    .arg("-")
+                    .arg("+")
+                    .query_async(&mut r)
+                    .await
+                    .unwrap();
+                vec![format!("{reply:?}").into_bytes()]
+            }
+            other => panic!("unexpected type {other} at {key}"),
+        };
+        for v in values {
+            out.push((key.clone(), v));
+        }
+    }
+    out
+}
+
+/// Nothing readable lands in Redis: after signups (phone number and name in the body, echoed
+/// by the handler), header keys, streamed and failing responses, retryable and in-flight
+/// requests, no byte sequence of any request or response appears in any key or value: Redis
+/// holds keyed hashes, sealed records, lease tokens and fence counters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_readable_lands_in_redis() {
+    let server = RedisServer::start_owned().await;
+    let prefix = "idem";
+    let store = redis_store(&server.url(), prefix).await;
+    let (signups, _) = app(&store, |b| b.key(key::json("/phone").unwrap()));
+    let (things, probe) = app(&store, |b| b);
+    let secrets = [
+        "+15550100777",
+        "Ada Lovelace",
+        "order-key-8812",
+        "zebra-quartz",
+        "tenant-acme",
+    ];
+    let signup = Request::post("/things")
+        .header("content-type", "application/json")
+        .body(Body::from(
+            r#"{"phone":"+15550100777","name":"Ada Lovelace"}"#,
+        ))
+        .unwrap();
+    assert_eq!(send(&signups, signup).await.status, StatusCode::CREATED);
+    let mut keyed = post_key("/things", "order-key-8812", r#"{"note":"zebra-quartz"}"#);
+    keyed
+        .headers_mut()
+        .insert("authorization", "tenant-acme".parse().unwrap());
+    let first = send(&things, keyed).await;
+    assert!(
+        String::from_utf8_lossy(&first.body).contains("zebra-quartz"),
+        "the handler echoes the input, so the record holds it"
+    );
+    send(&things, post_key("/stream", "order-key-8812-stream", "")).await;
+    let _ = things
+        .clone()
+        .oneshot(post_key("/stream?fail=true", "order-key-8812-fail", ""))
+        .await;
+    send(
+        &things,
+        post_key("/decide?status=503", "order-key-8812-503", ""),
+    )
+    .await;
+    // One request still in flight while Redis is dumped.
+    probe.close();
+    let in_flight = tokio::spawn({
+        let things = things.clone();
+        async move {
+            send(
+                &things,
+                post_key(
+                    "/things",
+                    "order-key-8812-flight",
+                    r#"{"x":"zebra-quartz"}"#,
+                ),
+            )
+            .await
+        }
+    });
+    probe.started(5).await;
+    let dumped = dump(&server).await;
+    probe.open();
+    in_flight.await.unwrap();
+    let dumped_after = dump(&server).await;
+    assert!(
+        dumped.len() > 5,
+        "the scenarios left their records: {}",
+        dumped.len()
+    );
+    let mut more_fragments: Vec<String> = vec![
+        "15550100777".into(),
+        "Lovelace".into(),
+        "part 0".into(),
+        "/things".into(),
+        "application/json".into(),
+    ];
+    more_fragments.extend(secrets.iter().map(|s| s.to_string()));
+    for (key, value) in dumped.iter().chain(&dumped_after) {
+        assert!(key.starts_with("idem:{"), "only the layer's keys: {key}");
+        for fragment in &more_fragments {
+            let needle = fragment.as_bytes();
             assert!(
-                !String::from_utf8_lossy(&value).contains("15550100777"),
-                "{k} {field}"
+                !key.as_bytes().windows(needle.len()).any(|w| w == needle),
+                "{fragment:?} in the key {key}"
+            );
+            assert!(
+                !value.windows(needle.len()).any(|w| w == needle),
+                "{fragment:?} in the value of {key}"
             );
         }
     }
-    let ttl: i64 = r.pttl(&keys[0]).await.unwrap();
+    let mut r = server.connection().await;
+    let states: Vec<String> = r.keys("idem:*:state").await.unwrap();
+    let ttl: i64 = r.pttl(&states[0]).await.unwrap();
     assert!(ttl > 23 * 3600 * 1000, "kept for the 24 h retention: {ttl}");
 }
 
-/// A stored record that cannot be decoded is reported (500), and the handler does not run again.
+/// A stored record that does not open is reported (500 `record-unreadable`) and never replayed
+/// nor re-run: garbage, an old format version, a byte altered, a record copied from another
+/// key, a record written by hand in the current format, another server secret.
 #[tokio::test]
-async fn a_corrupt_record_is_reported_never_rerun() {
+async fn forged_swapped_and_old_records_are_refused() {
     let server = RedisServer::start().await;
-    let prefix = testkit::unique_prefix("corrupt");
+    let prefix = testkit::unique_prefix("forged");
     let store = redis_store(&server.url(), &prefix).await;
     let (app, probe) = app(&store, |b| b);
-    assert_eq!(
-        send(&app, post_key("/quiet", "c", "")).await.status,
-        StatusCode::CREATED
-    );
-    let mut r = server.connection().await;
-    let keys: Vec<String> = r.keys(format!("{prefix}:*:state")).await.unwrap();
-    for garbage in [&b"garbage"[..], b"TIR\x02future-format", b""] {
-        let _: () = r.hset(&keys[0], "d", garbage).await.unwrap();
-        let reply = send(&app, post_key("/quiet", "c", "")).await;
-        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
-        assert_eq!(reply.problem(), "record-unreadable");
+    for key in ["a", "b"] {
+        assert_eq!(
+            send(&app, post_key("/quiet", key, "")).await.status,
+            StatusCode::CREATED
+        );
     }
-    assert_eq!(probe.runs(), 1);
+    let mut r = server.connection().await;
+    let states: Vec<String> = r.keys(format!("{prefix}:*:state")).await.unwrap();
+    assert_eq!(states.len(), 2);
+    let record_of =
+        |fields: &Vec<(String, Vec<u8>)>| fields.iter().find(|(f, _)| f == "d").unwrap().1.clone();
+    let a_fields: Vec<(String, Vec<u8>)> = r.hgetall(&states[0]).await.unwrap();
+    let b_fields: Vec<(String, Vec<u8>)> = r.hgetall(&states[1]).await.unwrap();
+    let (a, b) = (record_of(&a_fields), record_of(&b_fields));
+    let mut altered = a.clone();
+    let last = altered.len() - 1;
+    altered[last] ^= 1;
+    let mut body_altered = a.clone();
+    body_altered[20] ^= 0x80;
+    let mut hand_written = b"TIR\x03".to_vec();
+    hand_written.extend_from_slice(&[0u8; 60]);
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("garbage", b"garbage".to_vec()),
+        ("empty", Vec::new()),
+        ("format version 1", b"TIR\x01\x00\x00".to_vec()),
+        ("a tag byte altered", altered),
+        ("a ciphertext byte altered", body_altered),
+        ("the other key's record", b),
+        ("written by hand", hand_written),
+    ];
+    // Whichever of the two state keys belongs to "a" and "b", each gets every forgery.
+    for state in &states {
+        for (what, forged) in &cases {
+            let _: () = r.hset(state, "d", forged).await.unwrap();
+            for key in ["a", "b"] {
+                let reply = send(&app, post_key("/quiet", key, "")).await;
+                if reply.status == StatusCode::CREATED {
+                    assert!(reply.replayed(), "{what}: never re-run");
+                    continue; // this key's record is the untouched one
+                }
+                assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{what}");
+                assert_eq!(reply.problem(), "record-unreadable", "{what}");
+            }
+        }
+        let _: () = r.hset(state, "d", &a).await.unwrap();
+    }
+    assert_eq!(probe.runs(), 2, "no forgery made the handler run again");
+    // Another server secret cannot open the records, nor forge one the first can open.
+    let other = tower_idempotency::IdempotencyLayer::builder(store.clone())
+        .secret("another server secret, 32 bytes")
+        .unwrap()
+        .principal(|_: &http::request::Parts| Some("anonymous".into()))
+        .build()
+        .unwrap();
+    let (other_app, other_probe) = support::app_with_layer(other);
+    let reply = send(&other_app, post_key("/quiet", "a", "")).await;
+    assert!(!reply.replayed(), "another secret names another key");
+    assert_eq!(other_probe.runs(), 1);
 }
 
 /// The lease is taken away while the handler runs: its completion is refused, so a retry runs

@@ -11,7 +11,7 @@ use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use support::{Reply, TestStore, app, open_request, post_key, send, serve, wait_until, within};
 use tower::ServiceExt;
-use tower_idempotency::{OnConflict, Outcome, UnknownOutcome, key};
+use tower_idempotency::{OnConflict, Outcome, UnknownOutcome, key, principal};
 
 macro_rules! suite {
     ($($name:ident),* $(,)?) => {
@@ -566,29 +566,64 @@ async fn a_lost_lease_stores_nothing(s: TestStore) {
     );
 }
 
+/// A user as an authentication layer establishes it (here from `x-user`, with a token in
+/// `authorization` that changes on refresh).
+#[derive(Clone)]
+struct User(String);
+
+async fn authenticate(
+    mut request: Request<Body>,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let user = request
+        .headers()
+        .get("x-user")
+        .and_then(|v| v.to_str().ok())
+        .map(String::from);
+    if let Some(user) = user {
+        request
+            .extensions_mut()
+            .insert(serde_json::json!({ "sub": user.clone() }));
+        request.extensions_mut().insert(User(user));
+    }
+    next.run(request).await
+}
+
 async fn keys_are_scoped_to_the_principal(s: TestStore) {
-    let (app, probe) = app(&s.store, |b| {
-        b.principal(|parts| {
-            parts
-                .headers
-                .get("authorization")?
-                .to_str()
-                .ok()
-                .map(String::from)
-        })
-    });
-    let as_user = |who: &str| {
-        let mut r = post_key("/things", "shared-key", "{}");
-        r.headers_mut()
-            .insert("authorization", who.parse().unwrap());
-        r
-    };
-    let alice = send(&app, as_user("alice")).await;
-    let bob = send(&app, as_user("bob")).await;
-    assert!(!bob.replayed(), "bob never gets alice's response");
-    assert_ne!(alice.body, bob.body);
-    assert!(send(&app, as_user("alice")).await.replayed());
-    assert_eq!(probe.runs(), 2);
+    for how in ["extension", "claim"] {
+        let (app, probe) = app(&s.store, |b| match how {
+            "extension" => b.principal(principal::extension(|u: &User| u.0.clone())),
+            _ => b.principal(principal::claim("sub")),
+        });
+        let app = app.layer(axum::middleware::from_fn(authenticate));
+        let as_user = |who: &str, token: &str| {
+            let mut r = post_key("/things", &format!("shared-key-{how}"), "{}");
+            r.headers_mut().insert("x-user", who.parse().unwrap());
+            r.headers_mut()
+                .insert("authorization", format!("Bearer {token}").parse().unwrap());
+            r
+        };
+        let alice = send(&app, as_user("alice", "t1")).await;
+        let bob = send(&app, as_user("bob", "t2")).await;
+        assert!(!bob.replayed(), "{how}: bob never gets alice's response");
+        assert_ne!(alice.body, bob.body);
+        let refreshed = send(&app, as_user("alice", "t3-after-refresh")).await;
+        assert!(
+            refreshed.replayed(),
+            "{how}: a refreshed token is the same user"
+        );
+        assert_eq!(refreshed.body, alice.body);
+        assert_eq!(probe.runs(), 2);
+        // No principal (the layer before authentication, say): refused, not shared.
+        let anonymous = send(
+            &app,
+            post_key("/things", &format!("shared-key-{how}"), "{}"),
+        )
+        .await;
+        assert_eq!(anonymous.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(anonymous.problem(), "principal-missing");
+        assert_eq!(probe.runs(), 2);
+    }
 }
 
 async fn a_response_too_large_to_store_is_not_run_again(s: TestStore) {

@@ -19,7 +19,12 @@ async fn works_in_a_service_builder_with_other_body_types() {
     let runs = Arc::new(AtomicUsize::new(0));
     let counter = runs.clone();
     let mut svc = ServiceBuilder::new()
-        .layer(IdempotencyLayer::new(Store::memory()))
+        .layer(
+            IdempotencyLayer::builder(Store::memory())
+                .global_keys()
+                .build()
+                .unwrap(),
+        )
         .service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
             let counter = counter.clone();
             async move {

@@ -100,21 +100,19 @@ pub(crate) fn unprotected(users: Users) -> Router {
         .with_state(users)
 }
 
-/// The service with signups made idempotent by phone number.
-pub(crate) fn app(store: Store, users: Users) -> Result<Router, tower_idempotency::ConfigError> {
+/// The service with signups made idempotent by phone number (a key that names a person, global
+/// by nature, and guessable: the server secret keeps it out of reach in the store).
+pub(crate) fn app(
+    store: Store,
+    secret: &[u8],
+    users: Users,
+) -> Result<Router, tower_idempotency::ConfigError> {
     let layer = IdempotencyLayer::builder(store)
+        .secret(secret)?
         .key(key::json("/phone")?)
         .build()?;
     Ok(Router::new()
         .route("/signup", post(signup).layer(layer))
         .route("/users", get(list))
         .with_state(users))
-}
-
-/// The store the examples use: Redis when `REDIS_URL` is set, memory otherwise.
-pub(crate) fn store_from_env() -> Result<Store, tower_idempotency::ConfigError> {
-    match std::env::var("REDIS_URL") {
-        Ok(url) if !url.is_empty() => Store::redis(&url),
-        _ => Ok(Store::memory()),
-    }
 }

@@ -115,10 +115,16 @@ async fn show(State(ledger): State<Ledger>) -> Json<Vec<Entry>> {
     Json(ledger.entries())
 }
 
-/// The webhook service.
-pub(crate) fn app(store: Store, ledger: Ledger) -> Result<Router, tower_idempotency::ConfigError> {
+/// The webhook service. Its only client is the payment provider, so its keys are global.
+pub(crate) fn app(
+    store: Store,
+    secret: &[u8],
+    ledger: Ledger,
+) -> Result<Router, tower_idempotency::ConfigError> {
     let layer = IdempotencyLayer::builder(store)
+        .secret(secret)?
         .key(key::header().or(key::json("/id")?))
+        .global_keys()
         .on_conflict(OnConflict::Wait(Duration::from_secs(10)))
         .build()?;
     Ok(Router::new()
@@ -126,12 +132,4 @@ pub(crate) fn app(store: Store, ledger: Ledger) -> Result<Router, tower_idempote
         .route_layer(layer)
         .route("/ledger", get(show))
         .with_state(ledger))
-}
-
-/// The store the examples use: Redis when `REDIS_URL` is set, memory otherwise.
-pub(crate) fn store_from_env() -> Result<Store, tower_idempotency::ConfigError> {
-    match std::env::var("REDIS_URL") {
-        Ok(url) if !url.is_empty() => Store::redis(&url),
-        _ => Ok(Store::memory()),
-    }
 }

@@ -23,6 +23,9 @@ static APP: LazyLock<Router> = LazyLock::new(|| {
     let store = Store::memory();
     let layer = |k: Box<dyn tower_idempotency::KeySource>| {
         IdempotencyLayer::builder(store.clone())
+            .secret("fuzzing secret, 32 bytes long...")
+            .unwrap()
+            .global_keys()
             .key(k)
             .body_limit(4096)
             .build()

@@ -25,6 +25,9 @@ use tower_idempotency::{
     IdempotencyContext, IdempotencyLayer, IdempotencyLayerBuilder, Outcome, Store,
 };
 
+/// The server secret of the layers under test.
+pub const SECRET: &[u8] = b"test secret: 32 bytes, not used for anything real";
+
 /// How long any test waits for something that should happen soon.
 pub const DEADLINE: Duration = Duration::from_secs(20);
 
@@ -273,16 +276,13 @@ pub fn app(
     (app_with(store, &probe, configure), probe)
 }
 
-/// Another instance of the service, sharing `probe` (as instances share a database).
-pub fn app_with(
-    store: &Store,
-    probe: &Probe,
-    configure: impl FnOnce(IdempotencyLayerBuilder) -> IdempotencyLayerBuilder,
-) -> Router {
-    let probe = probe.clone();
-    let layer = configure(IdempotencyLayer::builder(store.clone()))
-        .build()
-        .expect("valid layer");
+/// The service under test with a layer built by the test itself.
+pub fn app_with_layer(layer: IdempotencyLayer) -> (Router, Probe) {
+    let probe = Probe::new();
+    (routes().layer(layer).with_state(probe.clone()), probe)
+}
+
+fn routes() -> Router<Probe> {
     Router::new()
         .route("/things", post(create).get(create))
         .route("/signup", post(create))
@@ -293,8 +293,38 @@ pub fn app_with(
         .route("/quiet", post(quiet))
         .route("/decide", post(decide))
         .route("/stream", post(stream))
-        .layer(layer)
-        .with_state(probe)
+}
+
+/// Another instance of the service, sharing `probe` (as instances share a database).
+pub fn app_with(
+    store: &Store,
+    probe: &Probe,
+    configure: impl FnOnce(IdempotencyLayerBuilder) -> IdempotencyLayerBuilder,
+) -> Router {
+    let probe = probe.clone();
+    let layer = configure(
+        IdempotencyLayer::builder(store.clone())
+            .secret(SECRET)
+            .unwrap()
+            .principal(by_authorization),
+    )
+    .build()
+    .expect("valid layer");
+    routes().layer(layer).with_state(probe)
+}
+
+/// The test services' principal: the `authorization` header's value, or "anonymous". (A real
+/// service takes it from what its authentication layer established: see
+/// `tower_idempotency::principal`.)
+fn by_authorization(parts: &http::request::Parts) -> Option<String> {
+    Some(
+        parts
+            .headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("anonymous")
+            .to_owned(),
+    )
 }
 
 /// Serves `router` on a free loopback port until the returned handle is dropped.

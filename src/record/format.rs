@@ -1,10 +1,10 @@
-//! The stored outcome of a request, in a small versioned binary format.
+//! The plaintext inside a sealed record (see [the module docs](super)).
 //!
 //! ```text
-//! "TIR" 0x02                 magic and format version
-//! fingerprint                32 bytes
+//! part                       1 byte: 'W' (a whole record in one part)
 //! kind                       1 byte: 0 response, 1 response whose body was not kept,
 //!                            2 outcome unknown
+//! fingerprint                32 bytes
 //! status                     u16
 //! fence                      u64 (the execution's fencing token)
 //! header count               u16, then per header: name length u16, name, value length u32, value
@@ -12,15 +12,13 @@
 //! trailer count              u16, then the trailers as the headers
 //! ```
 //!
-//! Decoding checks every length and value and never panics: a corrupt record or one from an
-//! unknown version is reported (the layer answers 500 `record-unreadable`), never replayed
-//! wrongly and never a reason to run the handler again.
+//! Decoding checks every length and value and never panics.
 
 use bytes::{BufMut, Bytes};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 
-const MAGIC: &[u8; 3] = b"TIR";
-const VERSION: u8 = 2;
+/// A whole record in one part.
+const WHOLE: u8 = b'W';
 
 /// What a record says happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,32 +108,31 @@ fn put_headers<'a>(
 }
 
 impl<K: Fn(&HeaderName) -> bool> Encode<'_, K> {
-    /// The encoded record, in one allocation.
-    pub(crate) fn to_vec(&self) -> Vec<u8> {
+    /// Appends the plaintext to `out`, reserving `extra` more bytes (for the seal's tag) so
+    /// that the record is built in one allocation.
+    pub(crate) fn write(&self, out: &mut Vec<u8>, extra: usize) {
         let (count, len) = headers_len(kept(self.headers, &self.keep));
         let all = |_: &HeaderName| true;
         let empty = HeaderMap::new();
         let trailers = self.trailers.unwrap_or(&empty);
         let (t_count, t_len) = headers_len(kept(trailers, &all));
-        let mut out =
-            Vec::with_capacity(4 + 32 + 1 + 2 + 8 + 2 + len + 4 + self.body.len() + 2 + t_len);
-        out.put_slice(MAGIC);
-        out.put_u8(VERSION);
-        out.put_slice(self.fingerprint);
+        out.reserve(2 + 32 + 2 + 8 + 2 + len + 4 + self.body.len() + 2 + t_len + extra);
+        out.put_u8(WHOLE);
         out.put_u8(self.kind.code());
+        out.put_slice(self.fingerprint);
         out.put_u16(self.status.as_u16());
         out.put_u64(self.fence);
-        put_headers(&mut out, count, kept(self.headers, &self.keep));
+        put_headers(out, count, kept(self.headers, &self.keep));
         out.put_u32(self.body.len() as u32);
         out.put_slice(self.body);
-        put_headers(&mut out, t_count, kept(trailers, &all));
-        out
+        put_headers(out, t_count, kept(trailers, &all));
     }
 }
 
 impl Record {
     #[cfg(test)]
     pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::new();
         Encode {
             fingerprint: &self.fingerprint,
             kind: self.kind,
@@ -146,24 +143,20 @@ impl Record {
             body: &self.body,
             trailers: Some(&self.trailers),
         }
-        .to_vec()
+        .write(&mut out, 0);
+        out
     }
 
-    /// Decodes a record; the body shares `bytes`' buffer.
+    /// Decodes a record's plaintext; the body shares `bytes`' buffer.
     pub(crate) fn decode(bytes: &Bytes) -> Result<Record, String> {
         let mut r = Reader { bytes, at: 0 };
-        if r.take(3)? != MAGIC {
-            return Err("not a tower-idempotency record".into());
+        let part = r.u8()?;
+        if part != WHOLE {
+            return Err(format!("unknown record part {part:#x}"));
         }
-        let version = r.u8()?;
-        if version != VERSION {
-            return Err(format!(
-                "record format version {version} is not supported (this build reads {VERSION})"
-            ));
-        }
-        let fingerprint: [u8; 32] = r.take(32)?.try_into().map_err(|_| "fingerprint")?;
         let code = r.u8()?;
         let kind = Kind::from_code(code).ok_or_else(|| format!("unknown record kind {code}"))?;
+        let fingerprint: [u8; 32] = r.array()?;
         let status = StatusCode::from_u16(r.u16()?).map_err(|e| format!("status: {e}"))?;
         let fence = r.u64()?;
         let headers = r.headers()?;
@@ -295,13 +288,6 @@ mod tests {
         let mut extra = encoded.clone();
         extra.push(0);
         assert!(Record::decode(&Bytes::from(extra)).is_err());
-        let mut version = encoded.clone();
-        version[3] = 9;
-        assert!(
-            Record::decode(&Bytes::from(version))
-                .unwrap_err()
-                .contains("version 9")
-        );
         // Flip every byte in turn: decoding may succeed or fail, but never panics.
         for i in 0..encoded.len() {
             let mut flipped = encoded.clone();
