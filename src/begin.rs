@@ -10,6 +10,7 @@ use http::{Request, Response, header};
 use http_body::Body;
 
 use crate::body::{BoxError, RequestBody, ResponseBody, read_request};
+use crate::complete::{NEGOTIATED, joined};
 use crate::fingerprint::fingerprint;
 use crate::layer::{Config, OnConflict};
 use crate::metrics::{Event, count, store_latency};
@@ -29,6 +30,8 @@ pub(crate) struct Run {
     pub(crate) config: Arc<Config>,
     /// The handler's decision through its context, if it made one.
     pub(crate) decision: Arc<DecisionCell>,
+    /// The request's values of the headers a response may vary on (see `complete`).
+    pub(crate) negotiated: http::HeaderMap,
     /// The request's span, entered again while the outcome is stored.
     pub(crate) span: tracing::Span,
 }
@@ -44,7 +47,7 @@ pub(crate) enum Decision<B, R> {
     },
 }
 
-fn reject<B, R>(rejection: Rejection) -> Decision<B, R> {
+fn reject<B, R>(config: &Config, rejection: Rejection) -> Decision<B, R> {
     tracing::debug!(%rejection, "idempotency: rejected");
     count(match rejection {
         Rejection::Conflict { .. } => Event::Conflict,
@@ -52,7 +55,7 @@ fn reject<B, R>(rejection: Rejection) -> Decision<B, R> {
         Rejection::StoreUnavailable { .. } => Event::StoreError,
         _ => Event::Rejected,
     });
-    Decision::Respond(problem(&rejection))
+    Decision::Respond(problem(config, &rejection))
 }
 
 fn unprotected<B, R>(parts: http::request::Parts, body: RequestBody<B>) -> Decision<B, R> {
@@ -73,6 +76,10 @@ where
     B::Error: Into<BoxError>,
 {
     let (mut parts, body) = request.into_parts();
+    #[cfg(feature = "axum")]
+    if config.key.uses_path_params() {
+        crate::key::collect_path_params(&mut parts);
+    }
     // A key that does not come from the body is checked before the body is read: a keyless
     // request is refused at once, not after a slow upload.
     let early_key = if config.key.needs_body() {
@@ -81,12 +88,15 @@ where
         match config.key.extract(&parts, &Bytes::new()) {
             Ok(Some(key)) => Some(key),
             Ok(None) if config.key_required => {
-                return reject(Rejection::MissingKey {
-                    source: config.key.describe(),
-                });
+                return reject(
+                    &config,
+                    Rejection::MissingKey {
+                        source: config.key.describe(),
+                    },
+                );
             }
             Ok(None) => return unprotected(parts, RequestBody::new(body)),
-            Err(rejection) => return reject(rejection),
+            Err(rejection) => return reject(&config, rejection),
         }
     };
     let declared = parts
@@ -95,32 +105,41 @@ where
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|len| len > config.body_limit as u64) {
-        return reject(Rejection::BodyTooLarge {
-            limit: config.body_limit,
-        });
+        return reject(
+            &config,
+            Rejection::BodyTooLarge {
+                limit: config.body_limit,
+            },
+        );
     }
     let bytes = match read_request(body, config.body_limit, config.read_timeout).await {
         Ok(bytes) => bytes,
-        Err(rejection) => return reject(rejection),
+        Err(rejection) => return reject(&config, rejection),
     };
     let key = match early_key {
         Some(key) => key,
         None => match config.key.extract(&parts, &bytes) {
             Ok(Some(key)) => key,
             Ok(None) if config.key_required => {
-                return reject(Rejection::MissingKey {
-                    source: config.key.describe(),
-                });
+                return reject(
+                    &config,
+                    Rejection::MissingKey {
+                        source: config.key.describe(),
+                    },
+                );
             }
             Ok(None) => return unprotected(parts, RequestBody::buffered(bytes)),
-            Err(rejection) => return reject(rejection),
+            Err(rejection) => return reject(&config, rejection),
         },
     };
     if tokio::runtime::Handle::try_current().is_err() {
         tracing::error!("tower-idempotency needs a Tokio runtime: the request is refused");
-        return reject(Rejection::StoreUnavailable {
-            retry_after: config.retry_after,
-        });
+        return reject(
+            &config,
+            Rejection::StoreUnavailable {
+                retry_after: config.retry_after,
+            },
+        );
     }
     let principal = match &config.principal {
         None => None,
@@ -131,9 +150,12 @@ where
                     source = %source.describe(),
                     "idempotency: no principal for this request; is the layer before the authentication layer?"
                 );
-                return reject(Rejection::PrincipalMissing {
-                    source: source.describe(),
-                });
+                return reject(
+                    &config,
+                    Rejection::PrincipalMissing {
+                        source: source.describe(),
+                    },
+                );
             }
         },
     };
@@ -166,6 +188,12 @@ where
         Ok(Begin::Acquired(guard)) => {
             tracing::debug!(key = %name, fence = guard.fence(), "idempotency: running the handler");
             let decision = DecisionCell::new();
+            let mut negotiated = http::HeaderMap::new();
+            for name in NEGOTIATED {
+                if let Some(value) = joined(&parts.headers, &name) {
+                    negotiated.insert(name, value);
+                }
+            }
             parts.extensions.insert(IdempotencyContext::protected(
                 name,
                 guard.guard().lease(),
@@ -179,31 +207,41 @@ where
                     record_key: derived.record_key,
                     config,
                     decision,
+                    negotiated,
                     span,
                 })),
             }
         }
         Ok(Begin::Done(stored)) => {
             let sealer = Sealer::new(&derived.record_key, &name);
-            let (response, outcome) = replay(&config, &sealer, &stored, &fingerprint);
+            let (response, outcome) = replay(&config, &sealer, &stored, &fingerprint, &parts);
             tracing::debug!(key = %name, outcome = outcome.as_str(), "idempotency: stored outcome");
             count(outcome);
             Decision::Respond(response)
         }
-        Ok(Begin::InFlight { tag: theirs, .. }) => {
+        Ok(Begin::InFlight {
+            tag: theirs,
+            retry_after,
+        }) => {
             if theirs[..] == fingerprint[..] {
-                reject(Rejection::Conflict {
-                    retry_after: config.retry_after,
-                })
+                reject(
+                    &config,
+                    Rejection::Conflict {
+                        retry_after: config.conflict_retry_after(retry_after),
+                    },
+                )
             } else {
-                reject(Rejection::KeyReused)
+                reject(&config, Rejection::KeyReused)
             }
         }
         Ok(other) => {
             tracing::error!(?other, "idempotency: unknown store answer");
-            reject(Rejection::StoreUnavailable {
-                retry_after: config.retry_after,
-            })
+            reject(
+                &config,
+                Rejection::StoreUnavailable {
+                    retry_after: config.retry_after,
+                },
+            )
         }
         Err(error) if config.fail_open => {
             tracing::warn!(key = %name, %error, "idempotency store unavailable: running the handler UNPROTECTED (fail-open)");
@@ -218,9 +256,12 @@ where
         }
         Err(error) => {
             tracing::warn!(key = %name, %error, "idempotency store unavailable: 503, handler not run");
-            reject(Rejection::StoreUnavailable {
-                retry_after: config.retry_after,
-            })
+            reject(
+                &config,
+                Rejection::StoreUnavailable {
+                    retry_after: config.retry_after,
+                },
+            )
         }
     }
 }

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use distlock::LockError;
-use http::{HeaderMap, HeaderName, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
 use crate::begin::Run;
 use crate::metrics::{Event, count, store_latency};
@@ -40,9 +40,54 @@ pub(crate) async fn response(
         keep: |name: &HeaderName| config.replay_headers.keeps(name),
         body: body.unwrap_or_default(),
         trailers: body.and(trailers),
+        vary: &negotiated(headers, &run.negotiated),
     }
     .seal(&Sealer::new(&run.record_key, run.guard.guard().name()));
     store(run, &record, Event::Executed).await;
+}
+
+/// The request headers a response varies on (its `Vary`), with the values the request had
+/// (empty when it had none), among those the layer keeps for the check.
+fn negotiated(response: &HeaderMap, request: &HeaderMap) -> HeaderMap {
+    let mut out = HeaderMap::new();
+    for vary in response.get_all(header::VARY) {
+        let Ok(vary) = vary.to_str() else { continue };
+        for name in vary.split(',').map(str::trim) {
+            let Ok(name) = HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes()) else {
+                continue; // `*` and malformed names: nothing to check
+            };
+            if NEGOTIATED.contains(&name) {
+                let value = joined(request, &name).unwrap_or(HeaderValue::from_static(""));
+                out.insert(name, value);
+            }
+        }
+    }
+    out
+}
+
+/// The request headers kept for a `Vary` check at replay: those content negotiation and CORS
+/// vary on.
+pub(crate) const NEGOTIATED: [HeaderName; 4] = [
+    header::ACCEPT,
+    header::ACCEPT_ENCODING,
+    header::ACCEPT_LANGUAGE,
+    header::ORIGIN,
+];
+
+/// All values of a header, joined with ", " (one value: no copy).
+pub(crate) fn joined(headers: &HeaderMap, name: &HeaderName) -> Option<HeaderValue> {
+    let mut values = headers.get_all(name).iter();
+    let first = values.next()?;
+    let rest: Vec<&HeaderValue> = values.collect();
+    if rest.is_empty() {
+        return Some(first.clone());
+    }
+    let mut all = first.as_bytes().to_vec();
+    for v in rest {
+        all.extend_from_slice(b", ");
+        all.extend_from_slice(v.as_bytes());
+    }
+    HeaderValue::from_bytes(&all).ok()
 }
 
 /// The handler started and its outcome cannot be known (`why`): record it or release the key,
@@ -73,6 +118,7 @@ pub(crate) async fn unknown(run: Run, why: &str) {
                 keep: |_: &HeaderName| false,
                 body: &[],
                 trailers: None,
+                vary: &HeaderMap::new(),
             }
             .seal(&Sealer::new(&run.record_key, run.guard.guard().name()));
             store(run, &record, Event::Unknown).await;

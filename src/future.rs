@@ -17,6 +17,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use http::{Request, Response};
@@ -29,6 +30,8 @@ use crate::Rejection;
 use crate::begin::{Decision, Run};
 use crate::body::{AbortOnDrop, BoxError, RequestBody, ResponseBody};
 use crate::execution::{self, Finished, Started};
+use crate::layer::Config;
+use crate::replay::problem;
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
@@ -56,6 +59,7 @@ pin_project! {
             result: oneshot::Receiver<Finished<ResBody, S::Error>>,
             abort: AbortOnDrop,
             fence: u64,
+            config: Arc<Config>,
         },
         Done,
     }
@@ -104,8 +108,11 @@ where
     }
 }
 
+/// A rejection rendered without the layer's configuration: for states that cannot happen.
 fn respond<B>(rejection: Rejection) -> Response<ResponseBody<B>> {
-    crate::replay::problem(&rejection)
+    rejection
+        .to_response()
+        .map(|body| ResponseBody::full(body, None))
 }
 
 impl<S, ReqBody, ResBody> Future for ResponseFuture<S, ReqBody, ResBody>
@@ -163,12 +170,14 @@ where
                         None => this.state.set(State::Unprotected { future }),
                         Some(run) => {
                             let fence = run.guard.fence();
+                            let config = run.config.clone();
                             match execution::start(future, run) {
                                 Some(Started { result, abort }) => {
                                     this.state.set(State::Running {
                                         result,
                                         abort,
                                         fence,
+                                        config,
                                     });
                                 }
                                 None => {
@@ -176,9 +185,10 @@ where
                                         "tower-idempotency needs a Tokio runtime to run protected requests"
                                     );
                                     this.state.set(State::Done);
-                                    return Poll::Ready(Ok(respond(Rejection::StoreUnavailable {
-                                        retry_after: std::time::Duration::from_secs(1),
-                                    })));
+                                    let rejection = Rejection::StoreUnavailable {
+                                        retry_after: config.retry_after,
+                                    };
+                                    return Poll::Ready(Ok(problem(&config, &rejection)));
                                 }
                             }
                         }
@@ -193,10 +203,12 @@ where
                     result,
                     abort,
                     fence,
+                    config,
                 } => {
                     let finished = ready!(Pin::new(result).poll(cx));
                     let abort = std::mem::take(abort);
                     let fence = *fence;
+                    let config = config.clone();
                     this.state.set(State::Done);
                     return Poll::Ready(match finished {
                         Ok(Finished::Response(mut response)) => {
@@ -206,7 +218,7 @@ where
                         Ok(Finished::Error(error)) => Err(error),
                         Ok(Finished::Panic(panic)) => std::panic::resume_unwind(panic),
                         // The execution ended without an answer (its runtime shut down).
-                        Err(_) => Ok(respond(Rejection::OutcomeUnknown { fence })),
+                        Err(_) => Ok(problem(&config, &Rejection::OutcomeUnknown { fence })),
                     });
                 }
                 StateProj::Done => panic!("ResponseFuture polled after it completed"),

@@ -70,6 +70,12 @@ pub trait KeySource: Send + Sync + 'static {
     fn client_chosen(&self) -> bool {
         true
     }
+
+    /// Whether the key may come from a path parameter: the layer then collects the parameters
+    /// the router matched (see [`path`]).
+    fn uses_path_params(&self) -> bool {
+        false
+    }
 }
 
 impl<F> KeySource for F
@@ -104,11 +110,16 @@ impl KeySource for Box<dyn KeySource> {
     fn client_chosen(&self) -> bool {
         (**self).client_chosen()
     }
+
+    fn uses_path_params(&self) -> bool {
+        (**self).uses_path_params()
+    }
 }
 
 /// Combinators for key sources.
 pub trait KeySourceExt: KeySource + Sized {
-    /// Tries `self`, then `other` when `self` has no key.
+    /// Tries `self`, then `other` when `self` has no key or does not apply to the request (a
+    /// JSON field on a form post): `json("/id").or(header())` takes the header of a form post.
     ///
     /// ```
     /// use tower_idempotency::key::{header, json, KeySourceExt};
@@ -126,10 +137,21 @@ impl<T: KeySource> KeySourceExt for T {}
 pub struct Or<A, B>(A, B);
 
 impl<A: KeySource, B: KeySource> KeySource for Or<A, B> {
+    /// The first source's key; when it has none, or does not apply to this request (a JSON
+    /// field of a form post: 415), the second's. A key that is there but malformed is an error
+    /// at once. When neither applies, the first one's rejection; when one applies and has no
+    /// key, no key.
     fn extract(&self, parts: &Parts, body: &Bytes) -> Result<Option<String>, Rejection> {
-        match self.0.extract(parts, body)? {
-            Some(key) => Ok(Some(key)),
-            None => self.1.extract(parts, body),
+        let first = match self.0.extract(parts, body) {
+            Ok(Some(key)) => return Ok(Some(key)),
+            Ok(None) => None,
+            Err(rejection) if rejection.not_applicable() => Some(rejection),
+            Err(rejection) => return Err(rejection),
+        };
+        match (self.1.extract(parts, body), first) {
+            (Err(second), Some(first)) if second.not_applicable() => Err(first),
+            (Err(second), None) if second.not_applicable() => Ok(None),
+            (other, _) => other,
         }
     }
 
@@ -143,6 +165,10 @@ impl<A: KeySource, B: KeySource> KeySource for Or<A, B> {
 
     fn client_chosen(&self) -> bool {
         self.0.client_chosen() || self.1.client_chosen()
+    }
+
+    fn uses_path_params(&self) -> bool {
+        self.0.uses_path_params() || self.1.uses_path_params()
     }
 }
 
@@ -460,9 +486,10 @@ pub struct PathKey {
     param: String,
 }
 
-/// A parameter of the matched route, e.g. `order_id` in `/orders/{order_id}/pay`. Needs the
-/// route template: axum's `MatchedPath` (present when the layer is added with `Router::layer`
-/// or `route_layer`), or a [`RouteTemplate`] extension from other routers.
+/// A parameter of the matched route, e.g. `order_id` in `/orders/{order_id}/pay`,
+/// percent-decoded as axum's `Path` decodes it. Under axum the layer takes the parameters the
+/// router matched (so nested routers work); with other routers it matches the path against a
+/// [`RouteTemplate`] extension.
 ///
 /// ```
 /// use tower_idempotency::KeySource;
@@ -495,8 +522,65 @@ pub(crate) fn route_template(parts: &Parts) -> Option<&str> {
         .map(|t| t.0.as_str())
 }
 
+/// The path parameters the router matched, percent-decoded (collected by the layer from axum).
+#[derive(Debug, Clone)]
+pub(crate) enum PathParams {
+    Matched(Vec<(String, String)>),
+    /// A parameter was not valid UTF-8 once percent-decoded.
+    InvalidUtf8,
+}
+
+/// Collects the parameters axum matched (for `Router::nest`ed routes too: the parameters, not
+/// the path, which the nested router sees without its prefix).
+#[cfg(feature = "axum")]
+pub(crate) fn collect_path_params(parts: &mut Parts) {
+    use axum::extract::{FromRequestParts, RawPathParams, rejection::RawPathParamsRejection};
+    use futures_util::FutureExt;
+    if parts
+        .extensions
+        .get::<axum::extract::MatchedPath>()
+        .is_none()
+    {
+        return;
+    }
+    let params = match RawPathParams::from_request_parts(parts, &()).now_or_never() {
+        Some(Ok(params)) => PathParams::Matched(
+            params
+                .iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect(),
+        ),
+        Some(Err(RawPathParamsRejection::InvalidUtf8InPathParam(_))) => PathParams::InvalidUtf8,
+        _ => return,
+    };
+    parts.extensions.insert(params);
+}
+
+fn decode_segment(segment: &str) -> Option<String> {
+    percent_encoding::percent_decode_str(segment)
+        .decode_utf8()
+        .ok()
+        .map(|s| s.into_owned())
+}
+
 impl KeySource for PathKey {
     fn extract(&self, parts: &Parts, _body: &Bytes) -> Result<Option<String>, Rejection> {
+        let invalid_utf8 = || Rejection::InvalidKey {
+            reason: format!(
+                "{} is not valid UTF-8 once percent-decoded.",
+                self.describe()
+            ),
+        };
+        match parts.extensions.get::<PathParams>() {
+            Some(PathParams::Matched(params)) => {
+                return match params.iter().find(|(name, _)| *name == self.param) {
+                    Some((_, value)) => check_key(value.clone(), &self.describe()).map(Some),
+                    None => Ok(None),
+                };
+            }
+            Some(PathParams::InvalidUtf8) => return Err(invalid_utf8()),
+            None => {}
+        }
         let Some(template) = route_template(parts) else {
             return Ok(None);
         };
@@ -509,13 +593,17 @@ impl KeySource for PathKey {
             if let Some(rest_name) = name.strip_prefix('*') {
                 if rest_name == self.param {
                     let rest: Vec<&str> = value.into_iter().chain(actual).collect();
-                    return check_key(rest.join("/"), &self.describe()).map(Some);
+                    let rest = decode_segment(&rest.join("/")).ok_or_else(invalid_utf8)?;
+                    return check_key(rest, &self.describe()).map(Some);
                 }
                 return Ok(None);
             }
             if name == self.param {
                 return match value {
-                    Some(v) => check_key(v.to_owned(), &self.describe()).map(Some),
+                    Some(v) => {
+                        let v = decode_segment(v).ok_or_else(invalid_utf8)?;
+                        check_key(v, &self.describe()).map(Some)
+                    }
                     None => Ok(None),
                 };
             }
@@ -533,6 +621,10 @@ impl KeySource for PathKey {
 
     fn client_chosen(&self) -> bool {
         false
+    }
+
+    fn uses_path_params(&self) -> bool {
+        true
     }
 }
 

@@ -3,15 +3,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::header::{self, HeaderName};
-use http::{Method, StatusCode};
+use http::{Method, Response, StatusCode};
 use tower_layer::Layer;
 
 use crate::key::{self, KeySource};
 use crate::outcome::default_outcome;
 use crate::principal::PrincipalSource;
+use crate::problem::PROBLEM_BASE;
 use crate::secret::{Keys, MIN_SECRET_LEN};
-use crate::{ConfigError, Idempotency, Outcome, Store, UnknownOutcome};
+use crate::{ConfigError, Idempotency, Outcome, Rejection, Store, UnknownOutcome};
 
 /// What to do with a request whose key is in flight (another request with the same key and
 /// fingerprint is being processed).
@@ -151,6 +153,9 @@ impl ReplayHeaders {
 /// Decides what a retry may do when the handler did not say.
 pub(crate) type DefaultOutcome = dyn Fn(StatusCode) -> Outcome + Send + Sync;
 
+/// Renders a rejection in the API's own error format.
+pub(crate) type Render = dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync;
+
 /// The checked configuration, shared by every clone of the layer and its services.
 pub(crate) struct Config {
     pub(crate) store: Store,
@@ -171,6 +176,25 @@ pub(crate) struct Config {
     pub(crate) cancel_on_disconnect: bool,
     pub(crate) replay_headers: ReplayHeaders,
     pub(crate) fail_open: bool,
+    pub(crate) problem_base: String,
+    pub(crate) render: Option<Arc<Render>>,
+}
+
+impl Config {
+    /// A rejection as a response: the user's rendering, or problem+json; the status always the
+    /// rejection's.
+    pub(crate) fn render(&self, rejection: &Rejection) -> Response<Bytes> {
+        match &self.render {
+            Some(render) => rejection.finish(render(rejection)),
+            None => rejection.to_response_with_base(&self.problem_base),
+        }
+    }
+
+    /// The `Retry-After` of a 409: when the holder's lease ends (a crashed holder's key frees
+    /// then; a live holder renews), at most the configured `retry_after`.
+    pub(crate) fn conflict_retry_after(&self, holder: Option<Duration>) -> Duration {
+        holder.map_or(self.retry_after, |left| left.min(self.retry_after))
+    }
 }
 
 impl std::fmt::Debug for Config {
@@ -193,6 +217,8 @@ impl std::fmt::Debug for Config {
             .field("cancel_on_disconnect", &self.cancel_on_disconnect)
             .field("replay_headers", &self.replay_headers)
             .field("fail_open", &self.fail_open)
+            .field("problem_base", &self.problem_base)
+            .field("render", &self.render.is_some())
             .finish()
     }
 }
@@ -252,12 +278,14 @@ impl IdempotencyLayer {
             record_limit: 1 << 20,
             retention: Duration::from_secs(24 * 3600),
             on_conflict: OnConflict::Reject,
-            retry_after: Duration::from_secs(1),
+            retry_after: Duration::from_secs(5),
             default_outcome: Arc::new(default_outcome),
             unknown_outcome: UnknownOutcome::default(),
             cancel_on_disconnect: false,
             replay_headers: ReplayHeaders::default_deny(),
             fail_open: false,
+            problem_base: PROBLEM_BASE.to_owned(),
+            render: None,
         }
     }
 
@@ -298,6 +326,8 @@ pub struct IdempotencyLayerBuilder {
     cancel_on_disconnect: bool,
     replay_headers: ReplayHeaders,
     fail_open: bool,
+    problem_base: String,
+    render: Option<Arc<Render>>,
 }
 
 impl std::fmt::Debug for IdempotencyLayerBuilder {
@@ -537,7 +567,9 @@ impl IdempotencyLayerBuilder {
         self
     }
 
-    /// The `Retry-After` of 409 and 503 answers (default 1 s; sent in whole seconds, at least 1).
+    /// The longest `Retry-After` the layer sends (default 5 s; whole seconds, at least 1): a 409
+    /// says when the holder's lease ends (a crashed holder's key frees then), at most this; a
+    /// 503 says this.
     ///
     /// ```
     /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
@@ -545,6 +577,49 @@ impl IdempotencyLayerBuilder {
     /// ```
     pub fn retry_after(mut self, after: Duration) -> Self {
         self.retry_after = after;
+        self
+    }
+
+    /// The base of the problem `type` URIs (default [`PROBLEM_BASE`], these docs); the slug
+    /// (`key-reused`, ...) is appended.
+    ///
+    /// # Errors
+    /// If `base` is not a URI.
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .problem_base("https://api.example.com/problems/").unwrap();
+    /// ```
+    pub fn problem_base(mut self, base: impl Into<String>) -> Result<Self, ConfigError> {
+        let base = base.into();
+        if base.parse::<http::Uri>().is_err() || base.chars().any(char::is_whitespace) {
+            return Err(ConfigError::Invalid {
+                field: "problem_base",
+                reason: format!("{base:?} is not a URI"),
+            });
+        }
+        self.problem_base = base;
+        Ok(self)
+    }
+
+    /// Renders the layer's rejections in your API's own error format. The status code,
+    /// `Retry-After` (unless you set one) and the [`Rejection`] extension are set on what you
+    /// return.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, Store};
+    /// let b = IdempotencyLayer::builder(Store::memory()).render_rejections(|rejection| {
+    ///     let body = serde_json::json!({ "error": { "code": rejection.slug(), "message": rejection.detail() } });
+    ///     let mut response = http::Response::new(bytes::Bytes::from(body.to_string()));
+    ///     response.headers_mut().insert("content-type", "application/json".parse().unwrap());
+    ///     response
+    /// });
+    /// ```
+    pub fn render_rejections<F>(mut self, render: F) -> Self
+    where
+        F: Fn(&Rejection) -> Response<Bytes> + Send + Sync + 'static,
+    {
+        self.render = Some(Arc::new(render));
         self
     }
 
@@ -736,6 +811,8 @@ impl IdempotencyLayerBuilder {
                 cancel_on_disconnect: self.cancel_on_disconnect,
                 replay_headers: self.replay_headers,
                 fail_open: self.fail_open,
+                problem_base: self.problem_base,
+                render: self.render,
             }),
         })
     }

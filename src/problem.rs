@@ -11,6 +11,7 @@
 //! | `conflict` | 409 | a request with this key is in flight (with `Retry-After`) |
 //! | `body-too-large` | 413 | the request body is over the buffering limit |
 //! | `unsupported-media-type` | 415 | the key comes from a JSON or form body of another content type |
+//! | `not-acceptable` | 406 | the stored response varies (`Vary`) on a request header that this retry sends differently (another `Accept-Encoding`, say): it cannot be replayed to it |
 //! | `key-reused` | 422 | the key was used for a request with another fingerprint |
 //! | `record-unreadable` | 500 | the stored outcome for this key is corrupt or from an unknown format |
 //! | `principal-missing` | 500 | keys are scoped to a principal and the request has none (the layer runs before authentication?) |
@@ -19,7 +20,10 @@
 //! | `response-not-stored` | 410 | a retry of a request whose response body was too large to store: it was processed (the `original_status` member says with which status, and stored headers such as `Location` are kept), the body cannot be replayed |
 //!
 //! The [`Rejection`] itself travels in the response extensions, so outer middleware and tests can
-//! tell which rule answered.
+//! tell which rule answered. The `type` URIs point at these docs by default
+//! ([`problem_base`](crate::IdempotencyLayerBuilder::problem_base) changes the base), and
+//! [`render_rejections`](crate::IdempotencyLayerBuilder::render_rejections) renders them in
+//! your API's own error format (the status codes stay).
 
 use std::time::Duration;
 
@@ -97,6 +101,11 @@ pub enum Rejection {
         /// The storage limit in bytes.
         limit: usize,
     },
+    /// The stored response varies on a request header this request sends differently.
+    NotAcceptable {
+        /// The header.
+        header: String,
+    },
     /// Keys are scoped to a principal and the request has none.
     PrincipalMissing {
         /// Where the principal was looked for.
@@ -131,6 +140,7 @@ impl Rejection {
             Rejection::RecordUnreadable { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             Rejection::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Rejection::ResponseNotStored { .. } => StatusCode::GONE,
+            Rejection::NotAcceptable { .. } => StatusCode::NOT_ACCEPTABLE,
             Rejection::OutcomeUnknown { .. } | Rejection::PrincipalMissing { .. } => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
@@ -158,6 +168,7 @@ impl Rejection {
             Rejection::ResponseNotStored { .. } => "response-not-stored",
             Rejection::OutcomeUnknown { .. } => "outcome-unknown",
             Rejection::PrincipalMissing { .. } => "principal-missing",
+            Rejection::NotAcceptable { .. } => "not-acceptable",
         }
     }
 
@@ -190,6 +201,9 @@ impl Rejection {
                 "The request was started, and whether it did its work is unknown"
             }
             Rejection::PrincipalMissing { .. } => "The server cannot tell who sent this request",
+            Rejection::NotAcceptable { .. } => {
+                "The stored response was negotiated for different request headers"
+            }
         }
     }
 
@@ -214,7 +228,7 @@ impl Rejection {
             }
             Rejection::Conflict { retry_after } => format!(
                 "The first request with this key has not finished. Retry after {} s to get its response.",
-                retry_after.as_secs().max(1)
+                whole_seconds(*retry_after)
             ),
             Rejection::BodyTooLarge { limit } => {
                 format!("The request body is over the limit of {limit} bytes.")
@@ -232,13 +246,18 @@ impl Rejection {
             ),
             Rejection::StoreUnavailable { retry_after } => format!(
                 "The idempotency store cannot be reached; the request was not processed. Retry after {} s.",
-                retry_after.as_secs().max(1)
+                whole_seconds(*retry_after)
             ),
             Rejection::ResponseNotStored { status, limit } => format!(
                 "The original request was processed with status {}, but its response body was over \
                  the {limit}-byte storage limit, so it cannot be replayed. Do not send the request again \
                  with a new key unless you mean to repeat it.",
                 status.as_u16()
+            ),
+            Rejection::NotAcceptable { header } => format!(
+                "The request with this key was processed, and its response varies on the {header} \
+                 header, which this request sends differently: retry with the {header} of the first \
+                 request to get the stored response."
             ),
             Rejection::PrincipalMissing { source } => format!(
                 "Idempotency keys are scoped to the sender, taken from {source}, and this request \
@@ -252,6 +271,19 @@ impl Rejection {
         }
     }
 
+    /// Whether the rejection says the key source does not apply to this request (a JSON or form
+    /// field of a body of another content type), rather than that its key is malformed: in
+    /// [`or`](crate::KeySourceExt::or), the next source is tried.
+    ///
+    /// ```
+    /// use tower_idempotency::Rejection;
+    /// assert!(Rejection::UnsupportedMediaType { expected: "application/json" }.not_applicable());
+    /// assert!(!Rejection::DuplicateKey.not_applicable());
+    /// ```
+    pub fn not_applicable(&self) -> bool {
+        matches!(self, Rejection::UnsupportedMediaType { .. })
+    }
+
     /// The `Retry-After` this rejection carries, if any.
     fn retry_after(&self) -> Option<Duration> {
         match self {
@@ -262,7 +294,7 @@ impl Rejection {
         }
     }
 
-    /// The problem+json body.
+    /// The problem+json body (RFC 9457), with the `type` URI under [`PROBLEM_BASE`].
     ///
     /// ```
     /// let body = tower_idempotency::Rejection::KeyReused.to_json();
@@ -270,8 +302,19 @@ impl Rejection {
     /// assert_eq!(v["status"], 422);
     /// ```
     pub fn to_json(&self) -> Bytes {
+        self.to_json_with_base(PROBLEM_BASE)
+    }
+
+    /// The problem+json body, with the `type` URI under `base`.
+    ///
+    /// ```
+    /// let body = tower_idempotency::Rejection::KeyReused.to_json_with_base("https://api.example.com/problems/");
+    /// let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    /// assert_eq!(v["type"], "https://api.example.com/problems/key-reused");
+    /// ```
+    pub fn to_json_with_base(&self, base: &str) -> Bytes {
         let mut value = serde_json::json!({
-            "type": format!("{PROBLEM_BASE}{}", self.slug()),
+            "type": format!("{base}{}", self.slug()),
             "title": self.title(),
             "status": self.status().as_u16(),
             "detail": self.detail(),
@@ -283,7 +326,8 @@ impl Rejection {
             Rejection::OutcomeUnknown { fence } => value["fence"] = (*fence).into(),
             _ => {}
         }
-        Bytes::from(serde_json::to_vec(&value).expect("a JSON value serializes"))
+        // Serializing a `Value` cannot fail.
+        Bytes::from(serde_json::to_vec(&value).unwrap_or_default())
     }
 
     /// The response: status, `Content-Type: application/problem+json`, `Retry-After` where it
@@ -294,22 +338,42 @@ impl Rejection {
     /// assert_eq!(res.headers()["content-type"], "application/problem+json");
     /// ```
     pub fn to_response(&self) -> Response<Bytes> {
-        let mut response = Response::new(self.to_json());
-        *response.status_mut() = self.status();
-        let headers = response.headers_mut();
-        headers.insert(
+        self.to_response_with_base(PROBLEM_BASE)
+    }
+
+    /// The response, with the `type` URI under `base`.
+    ///
+    /// ```
+    /// let res = tower_idempotency::Rejection::DuplicateKey.to_response_with_base("urn:problem:");
+    /// assert_eq!(res.status(), 400);
+    /// ```
+    pub fn to_response_with_base(&self, base: &str) -> Response<Bytes> {
+        let mut response = Response::new(self.to_json_with_base(base));
+        response.headers_mut().insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json"),
         );
+        self.finish(response)
+    }
+
+    /// Sets on a rendered rejection what every rendering keeps: the status, `Retry-After`
+    /// where it applies (unless the renderer set one), and the rejection in the extensions.
+    pub(crate) fn finish(&self, mut response: Response<Bytes>) -> Response<Bytes> {
+        *response.status_mut() = self.status();
         if let Some(after) = self.retry_after() {
-            headers.insert(
-                header::RETRY_AFTER,
-                HeaderValue::from(after.as_secs().max(1)),
-            );
+            response
+                .headers_mut()
+                .entry(header::RETRY_AFTER)
+                .or_insert_with(|| HeaderValue::from(whole_seconds(after)));
         }
         response.extensions_mut().insert(self.clone());
         response
     }
+}
+
+/// A delay in whole seconds, rounded up, at least 1 (`Retry-After` has second resolution).
+fn whole_seconds(d: Duration) -> u64 {
+    (d.as_secs() + u64::from(d.subsec_nanos() > 0)).max(1)
 }
 
 impl std::fmt::Display for Rejection {
@@ -359,6 +423,9 @@ mod tests {
             Rejection::OutcomeUnknown { fence: 7 },
             Rejection::PrincipalMissing {
                 source: "the claim /sub".into(),
+            },
+            Rejection::NotAcceptable {
+                header: "accept-encoding".into(),
             },
         ];
         for r in all {

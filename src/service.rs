@@ -68,6 +68,24 @@ impl<S> Idempotency<S> {
     }
 }
 
+/// Whether axum routed the request to a fallback (no route matched): it passes through
+/// untouched, so an unknown path gets the router's 404, not a key rejection. (Under
+/// `Router::layer` the fallback is layered too; axum marks every request it routes with
+/// `OriginalUri`, and matched ones with `MatchedPath`.)
+fn unmatched<B>(request: &Request<B>) -> bool {
+    #[cfg(feature = "axum")]
+    {
+        let extensions = request.extensions();
+        extensions.get::<axum::extract::OriginalUri>().is_some()
+            && extensions.get::<axum::extract::MatchedPath>().is_none()
+    }
+    #[cfg(not(feature = "axum"))]
+    {
+        let _ = request;
+        false
+    }
+}
+
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>
@@ -96,7 +114,7 @@ where
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let inner = self.inner.clone();
-        if !self.config.methods.contains(request.method()) {
+        if !self.config.methods.contains(request.method()) || unmatched(&request) {
             crate::metrics::count(crate::metrics::Event::Passthrough);
             return ResponseFuture::passthrough(inner, request.map(RequestBody::new));
         }

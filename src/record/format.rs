@@ -10,6 +10,8 @@
 //! header count               u16, then per header: name length u16, name, value length u32, value
 //! body length                u32, then the body
 //! trailer count              u16, then the trailers as the headers
+//! vary count                 u16, then as the headers: for each request header the response
+//!                            varies on, the request's value (empty when it had none)
 //! ```
 //!
 //! Decoding checks every length and value and never panics.
@@ -60,6 +62,8 @@ pub(crate) struct Record {
     pub(crate) headers: HeaderMap,
     pub(crate) body: Bytes,
     pub(crate) trailers: HeaderMap,
+    /// The request headers the response varies on, with the values they had.
+    pub(crate) vary: HeaderMap,
 }
 
 /// The parts of a record to encode, borrowed from the response being stored.
@@ -73,6 +77,7 @@ pub(crate) struct Encode<'a, K: Fn(&HeaderName) -> bool> {
     pub(crate) keep: K,
     pub(crate) body: &'a [u8],
     pub(crate) trailers: Option<&'a HeaderMap>,
+    pub(crate) vary: &'a HeaderMap,
 }
 
 fn kept<'a>(
@@ -116,7 +121,8 @@ impl<K: Fn(&HeaderName) -> bool> Encode<'_, K> {
         let empty = HeaderMap::new();
         let trailers = self.trailers.unwrap_or(&empty);
         let (t_count, t_len) = headers_len(kept(trailers, &all));
-        out.reserve(2 + 32 + 2 + 8 + 2 + len + 4 + self.body.len() + 2 + t_len + extra);
+        let (v_count, v_len) = headers_len(kept(self.vary, &all));
+        out.reserve(2 + 32 + 2 + 8 + 2 + len + 4 + self.body.len() + 2 + t_len + 2 + v_len + extra);
         out.put_u8(WHOLE);
         out.put_u8(self.kind.code());
         out.put_slice(self.fingerprint);
@@ -126,6 +132,7 @@ impl<K: Fn(&HeaderName) -> bool> Encode<'_, K> {
         out.put_u32(self.body.len() as u32);
         out.put_slice(self.body);
         put_headers(out, t_count, kept(trailers, &all));
+        put_headers(out, v_count, kept(self.vary, &all));
     }
 }
 
@@ -142,6 +149,7 @@ impl Record {
             keep: |_: &HeaderName| true,
             body: &self.body,
             trailers: Some(&self.trailers),
+            vary: &self.vary,
         }
         .write(&mut out, 0);
         out
@@ -165,6 +173,7 @@ impl Record {
         r.take(body_len)?;
         let body = bytes.slice(start..start + body_len);
         let trailers = r.headers()?;
+        let vary = r.headers()?;
         if r.at != bytes.len() {
             return Err(format!("{} trailing bytes", bytes.len() - r.at));
         }
@@ -176,6 +185,7 @@ impl Record {
             headers,
             body,
             trailers,
+            vary,
         })
     }
 }
@@ -251,6 +261,8 @@ mod tests {
         headers.append("x-multi", HeaderValue::from_static("2"));
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        let mut vary = HeaderMap::new();
+        vary.insert("accept-encoding", HeaderValue::from_static("gzip"));
         Record {
             fingerprint: [7; 32],
             kind,
@@ -259,6 +271,7 @@ mod tests {
             headers,
             body: Bytes::from_static(body),
             trailers,
+            vary,
         }
     }
 

@@ -1,0 +1,564 @@
+//! The HTTP edge cases a real axum application hits, each through a real `Router`: nested
+//! routers and path keys, fallbacks, `.or()` sources, keyless requests with slow bodies,
+//! `Retry-After`, the problem format, compression and `Vary`, the header policy at replay,
+//! tower-http layers around the layer, concurrency slots, and plain tower stacks on hyper's
+//! `Incoming` and tower-http's `Limited` bodies.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::routing::post;
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use support::{Reply, SECRET, send, within};
+use tower_idempotency::key::{self, KeySourceExt};
+use tower_idempotency::{IdempotencyLayer, IdempotencyLayerBuilder, ReplayHeaders, Store};
+
+/// A handler that counts its runs and answers 201 with the run number.
+fn counting() -> (
+    Arc<AtomicUsize>,
+    impl Fn() -> std::future::Ready<(StatusCode, String)> + Clone,
+) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let handler = move || {
+        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+        std::future::ready((StatusCode::CREATED, format!("run {n}")))
+    };
+    (runs, handler)
+}
+
+fn builder(store: &Store) -> IdempotencyLayerBuilder {
+    IdempotencyLayer::builder(store.clone())
+        .secret(SECRET)
+        .unwrap()
+}
+
+fn post_req(path: &str, key: Option<&str>, body: &str) -> Request<Body> {
+    let mut b = Request::post(path).header("content-type", "application/json");
+    if let Some(key) = key {
+        b = b.header("idempotency-key", key);
+    }
+    b.body(Body::from(body.to_owned())).unwrap()
+}
+
+/// `key::path` reads what axum matched, also under `Router::nest` (the nested router sees the
+/// path without its prefix), percent-decoded like axum's `Path`.
+#[tokio::test]
+async fn path_keys_under_a_nested_router() {
+    let store = Store::memory();
+    let (runs, pay) = counting();
+    let orders = Router::new()
+        .route("/orders/{id}/pay", post(pay))
+        .layer(builder(&store).key(key::path("id")).build().unwrap());
+    let app = Router::new().nest("/api", orders);
+    let a = send(&app, post_req("/api/orders/42/pay", None, "")).await;
+    let b = send(&app, post_req("/api/orders/43/pay", None, "")).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{a:?}");
+    assert_eq!(
+        b.status,
+        StatusCode::CREATED,
+        "another order is another key: {b:?}"
+    );
+    assert!(!b.replayed());
+    assert!(
+        send(&app, post_req("/api/orders/42/pay", None, ""))
+            .await
+            .replayed()
+    );
+    // Percent-decoded: %41 is the key A (the same key; the path differs as text, so the request
+    // is another one: 422); %2F is a slash inside the id, not a separator.
+    send(&app, post_req("/api/orders/A/pay", None, "")).await;
+    let same_key = send(&app, post_req("/api/orders/%41/pay", None, "")).await;
+    assert_eq!(same_key.problem(), "key-reused", "{same_key:?}");
+    let slash = send(&app, post_req("/api/orders/a%2Fb/pay", None, "")).await;
+    let literal = send(&app, post_req("/api/orders/a%252Fb/pay", None, "")).await;
+    assert!(
+        !slash.replayed() && !literal.replayed(),
+        "two ids: a/b and a%2Fb"
+    );
+    // Not UTF-8 once decoded: refused with axum's own rule (400), the handler not run.
+    let before = runs.load(Ordering::SeqCst);
+    let bad = send(&app, post_req("/api/orders/%FF/pay", None, "")).await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST, "{bad:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), before);
+    assert_eq!(runs.load(Ordering::SeqCst), 5);
+}
+
+/// With `Router::layer` the fallback is layered too: requests that matched no route pass
+/// through untouched (404, whatever their body), instead of key rejections.
+#[tokio::test]
+async fn unmatched_requests_pass_through() {
+    let store = Store::memory();
+    let (_, pay) = counting();
+    let app = Router::new().route("/pay", post(pay.clone())).layer(
+        builder(&store)
+            .key(key::json("/id").unwrap())
+            .body_limit(16)
+            .build()
+            .unwrap(),
+    );
+    for (body, ct) in [
+        ("", "application/json"),
+        (&*"x".repeat(100), "application/json"),
+        ("a=b", "text/plain"),
+    ] {
+        let reply = send(
+            &app,
+            Request::post("/nowhere")
+                .header("content-type", ct)
+                .body(Body::from(body.to_owned()))
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::NOT_FOUND, "{reply:?}");
+    }
+    // The route itself is still protected.
+    let reply = send(&app, post_req("/pay", None, "{}")).await;
+    assert_eq!(reply.problem(), "missing-key");
+    // Layered on the method router with `route_layer`, a method the route does not have gets
+    // the router's 405 (axum layers its 405 fallback under `Router::layer`/`route_layer`).
+    let app = Router::new().route(
+        "/pay",
+        post(pay).route_layer(
+            builder(&store)
+                .key(key::json("/id").unwrap())
+                .build()
+                .unwrap(),
+        ),
+    );
+    let patch = Request::patch("/pay").body(Body::empty()).unwrap();
+    let reply = send(&app, patch).await;
+    assert_eq!(reply.status, StatusCode::METHOD_NOT_ALLOWED, "{reply:?}");
+}
+
+/// `.or()`: a source that does not apply to the request (a JSON field of a form post) falls
+/// through to the next; a malformed key where the source applies is an error at once.
+#[tokio::test]
+async fn or_falls_through_when_a_source_does_not_apply() {
+    let store = Store::memory();
+    let (runs, pay) = counting();
+    let app = Router::new().route("/pay", post(pay)).layer(
+        builder(&store)
+            .key(key::json("/id").unwrap().or(key::header()))
+            .global_keys()
+            .build()
+            .unwrap(),
+    );
+    let form = |key: Option<&str>| {
+        let mut b =
+            Request::post("/pay").header("content-type", "application/x-www-form-urlencoded");
+        if let Some(key) = key {
+            b = b.header("idempotency-key", key);
+        }
+        b.body(Body::from("amount=10")).unwrap()
+    };
+    let first = send(&app, form(Some("form-1"))).await;
+    assert_eq!(
+        first.status,
+        StatusCode::CREATED,
+        "the header of a form post: {first:?}"
+    );
+    assert!(send(&app, form(Some("form-1"))).await.replayed());
+    let keyless = send(&app, form(None)).await;
+    assert_eq!(keyless.problem(), "missing-key", "neither source has a key");
+    // JSON: the field applies and wins; malformed JSON is an error, not a fall-through.
+    let json = send(
+        &app,
+        post_req("/pay", Some("header-ignored"), r#"{"id":"evt-1"}"#),
+    )
+    .await;
+    assert_eq!(json.status, StatusCode::CREATED);
+    assert!(
+        send(&app, post_req("/pay", Some("other"), r#"{"id":"evt-1"}"#))
+            .await
+            .replayed()
+    );
+    let broken = send(&app, post_req("/pay", Some("h"), r#"{"id":"#)).await;
+    assert_eq!(broken.problem(), "malformed-body");
+    // A text body without the header: the header applies and has no key: missing.
+    let text = send(
+        &app,
+        Request::post("/pay")
+            .header("content-type", "text/plain")
+            .body(Body::from("x"))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(text.problem(), "missing-key", "{text:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// A request without its header key is refused at once, before its (slow, large) body.
+#[tokio::test]
+async fn a_keyless_request_is_refused_before_its_body() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let store = Store::memory();
+    let (runs, pay) = counting();
+    let app = Router::new()
+        .route("/pay", post(pay))
+        .layer(builder(&store).global_keys().build().unwrap());
+    let (addr, _server) = support::serve(app).await;
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    // Announces a body it never sends.
+    socket
+        .write_all(b"POST /pay HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = vec![0u8; 1024];
+    let n = within("the refusal, before the body", socket.read(&mut answer))
+        .await
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("missing-key"), "{answer}");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+/// `Retry-After` of a 409 says when the holder's lease ends, at most the configured bound.
+#[tokio::test]
+async fn retry_after_follows_the_holders_lease() {
+    let store = Store::memory();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let started = Arc::new(AtomicUsize::new(0));
+    let slow = {
+        let gate = gate.clone();
+        let started = started.clone();
+        move || {
+            let gate = gate.clone();
+            started.fetch_add(1, Ordering::SeqCst);
+            async move {
+                gate.acquire().await.unwrap().forget();
+                StatusCode::CREATED
+            }
+        }
+    };
+    for (lease, bound, expected) in [(30, 10, "10"), (3, 10, "3"), (30, 60, "30")] {
+        let lock = distlock::LockConfig::builder()
+            .lease(Duration::from_secs(lease))
+            .build()
+            .unwrap();
+        let app = Router::new().route("/pay", post(slow.clone())).layer(
+            builder(&store)
+                .global_keys()
+                .lock_config(lock)
+                .retry_after(Duration::from_secs(bound))
+                .build()
+                .unwrap(),
+        );
+        let key = format!("lease-{lease}-{bound}");
+        let first = tokio::spawn({
+            let app = app.clone();
+            let key = key.clone();
+            async move { send(&app, post_req("/pay", Some(&key), "")).await }
+        });
+        let n = started.load(Ordering::SeqCst);
+        support::wait_until("the first request runs", || {
+            started.load(Ordering::SeqCst) > n
+        })
+        .await;
+        let conflict = send(&app, post_req("/pay", Some(&key), "")).await;
+        assert_eq!(conflict.status, StatusCode::CONFLICT, "{conflict:?}");
+        assert_eq!(
+            conflict.headers["retry-after"], expected,
+            "lease {lease} s, bound {bound} s"
+        );
+        gate.add_permits(1);
+        within("the first request", first).await.unwrap();
+    }
+}
+
+/// The problem `type` base is configurable, and rejections can be rendered in the API's own
+/// error format; the status codes stay.
+#[tokio::test]
+async fn problem_types_and_rendering_are_configurable() {
+    let store = Store::memory();
+    let (_, pay) = counting();
+    let app = Router::new().route("/pay", post(pay.clone())).layer(
+        builder(&store)
+            .global_keys()
+            .problem_base("https://api.example.com/problems/")
+            .unwrap()
+            .build()
+            .unwrap(),
+    );
+    let reply = send(&app, post_req("/pay", None, "")).await;
+    assert_eq!(
+        reply.json()["type"],
+        "https://api.example.com/problems/missing-key"
+    );
+    let app = Router::new().route("/pay", post(pay)).layer(
+        builder(&store)
+            .global_keys()
+            .render_rejections(|rejection| {
+                let body = serde_json::json!({"error": {"code": rejection.slug()}});
+                let mut response = http::Response::new(Bytes::from(body.to_string()));
+                *response.status_mut() = StatusCode::IM_A_TEAPOT; // overridden: statuses stay
+                response
+            })
+            .build()
+            .unwrap(),
+    );
+    let reply = send(&app, post_req("/pay", None, "")).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    assert_eq!(reply.json()["error"]["code"], "missing-key");
+    let dup = Request::post("/pay")
+        .header("idempotency-key", "a")
+        .header("idempotency-key", "b")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(
+        send(&app, dup).await.json()["error"]["code"],
+        "duplicate-key"
+    );
+}
+
+fn gzip_app(store: &Store, compression_inside: bool) -> (Router, Arc<AtomicUsize>) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let handler = move || {
+        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+        async move {
+            (
+                StatusCode::CREATED,
+                [("content-type", "text/plain")],
+                format!("run {n} ").repeat(200),
+            )
+        }
+    };
+    let layer = builder(store).global_keys().build().unwrap();
+    let compression = tower_http::compression::CompressionLayer::new();
+    let app = if compression_inside {
+        Router::new()
+            .route("/pay", post(handler))
+            .layer(compression)
+            .layer(layer)
+    } else {
+        Router::new()
+            .route("/pay", post(handler))
+            .layer(layer)
+            .layer(compression)
+    };
+    (app, runs)
+}
+
+fn with_encoding(key: &str, encoding: &str) -> Request<Body> {
+    Request::post("/pay")
+        .header("idempotency-key", key)
+        .header("accept-encoding", encoding)
+        .body(Body::empty())
+        .unwrap()
+}
+
+fn gunzip(reply: &Reply) -> String {
+    use std::io::Read;
+    let mut out = String::new();
+    flate2::read::GzDecoder::new(&reply.body[..])
+        .read_to_string(&mut out)
+        .unwrap();
+    out
+}
+
+/// CompressionLayer *outside* the layer (the supported order): records are stored
+/// uncompressed and each replay is compressed for the client that asks.
+#[tokio::test]
+async fn compression_outside_compresses_each_replay_for_its_client() {
+    let store = Store::memory();
+    let (app, runs) = gzip_app(&store, false);
+    let gz = send(&app, with_encoding("c-out", "gzip")).await;
+    assert_eq!(gz.headers["content-encoding"], "gzip");
+    let plain = send(&app, with_encoding("c-out", "identity")).await;
+    assert!(plain.replayed());
+    assert!(!plain.headers.contains_key("content-encoding"));
+    assert_eq!(gunzip(&gz), String::from_utf8_lossy(&plain.body));
+    let gz_again = send(&app, with_encoding("c-out", "gzip")).await;
+    assert!(gz_again.replayed());
+    assert_eq!(gunzip(&gz_again), gunzip(&gz));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// CompressionLayer *inside* the layer: the stored response is gzip and varies on
+/// Accept-Encoding, so it is replayed only to retries that negotiate the same; another
+/// Accept-Encoding gets 406, never a gzip body it did not ask for.
+#[tokio::test]
+async fn compression_inside_replays_only_what_was_negotiated() {
+    let store = Store::memory();
+    let (app, runs) = gzip_app(&store, true);
+    let gz = send(&app, with_encoding("c-in", "gzip")).await;
+    assert_eq!(gz.headers["content-encoding"], "gzip");
+    let same = send(&app, with_encoding("c-in", "gzip")).await;
+    assert!(same.replayed());
+    assert_eq!(same.body, gz.body);
+    let identity = send(&app, with_encoding("c-in", "identity")).await;
+    assert_eq!(identity.status, StatusCode::NOT_ACCEPTABLE, "{identity:?}");
+    assert_eq!(identity.problem(), "not-acceptable");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Replay applies the header policy in force now to what was stored under an earlier one.
+#[tokio::test]
+async fn replay_applies_the_current_header_policy() {
+    let store = Store::memory();
+    let handler = || async {
+        (
+            StatusCode::CREATED,
+            [("x-internal-trace", "t-1"), ("location", "/p/1")],
+            "ok",
+        )
+    };
+    let before = Router::new()
+        .route("/pay", post(handler))
+        .layer(builder(&store).global_keys().build().unwrap());
+    let first = send(&before, post_req("/pay", Some("policy"), "")).await;
+    assert_eq!(first.headers["x-internal-trace"], "t-1");
+    let after = Router::new().route("/pay", post(handler)).layer(
+        builder(&store)
+            .global_keys()
+            .replay_headers(
+                ReplayHeaders::default_deny()
+                    .and_deny(["x-internal-trace"])
+                    .unwrap(),
+            )
+            .build()
+            .unwrap(),
+    );
+    let replay = send(&after, post_req("/pay", Some("policy"), "")).await;
+    assert!(replay.replayed());
+    assert!(
+        !replay.headers.contains_key("x-internal-trace"),
+        "{replay:?}"
+    );
+    assert_eq!(replay.headers["location"], "/p/1");
+}
+
+/// tower-http's TraceLayer, TimeoutLayer and CompressionLayer around the layer.
+#[tokio::test]
+async fn tower_http_layers_around_the_layer() {
+    let store = Store::memory();
+    let (runs, pay) = counting();
+    let app = Router::new()
+        .route("/pay", post(pay))
+        .layer(builder(&store).global_keys().build().unwrap())
+        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            Duration::from_secs(5),
+        ))
+        .layer(tower_http::compression::CompressionLayer::new())
+        .layer(tower_http::trace::TraceLayer::new_for_http());
+    let first = send(&app, post_req("/pay", Some("stacked"), "")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let again = send(&app, post_req("/pay", Some("stacked"), "")).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// The inner service is asked for readiness only when the handler is about to be called: a
+/// request whose body is still arriving holds no slot of a `ConcurrencyLimit` below the layer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_reading_its_body_holds_no_concurrency_slot() {
+    use tokio::io::AsyncWriteExt;
+    let store = Store::memory();
+    let (runs, pay) = counting();
+    let app = Router::new()
+        .route("/pay", post(pay))
+        .layer(tower::limit::ConcurrencyLimitLayer::new(1))
+        .layer(builder(&store).global_keys().build().unwrap());
+    let (addr, _server) = support::serve(app).await;
+    let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+    slow.write_all(b"POST /pay HTTP/1.1\r\nhost: x\r\nidempotency-key: slow\r\ncontent-length: 10\r\n\r\n12345")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let client = support::client();
+    let other = within(
+        "a second request while the first one's body is incomplete",
+        support::http(&client, addr, post_req("/pay", Some("other"), "")),
+    )
+    .await;
+    assert_eq!(other.status, StatusCode::CREATED);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    drop(slow);
+}
+
+/// A plain tower stack on hyper: the layer takes `Incoming` bodies, and tower-http's
+/// `RequestBodyLimitLayer` (`Limited<Incoming>`) in front of it.
+#[tokio::test]
+async fn plain_tower_stacks_on_hyper_bodies() {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use hyper_util::service::TowerToHyperService;
+    let store = Store::memory();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let handler = tower::service_fn(
+        move |req: Request<
+            tower_idempotency::RequestBody<tower_http::body::Limited<hyper::body::Incoming>>,
+        >| {
+            let counter = counter.clone();
+            async move {
+                let body = req
+                    .into_body()
+                    .collect()
+                    .await
+                    .map(|b| b.to_bytes())
+                    .unwrap_or_default();
+                let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+                let mut response = http::Response::new(http_body_util::Full::new(Bytes::from(
+                    format!("run {n}: {}", String::from_utf8_lossy(&body)),
+                )));
+                *response.status_mut() = StatusCode::CREATED;
+                Ok::<_, std::convert::Infallible>(response)
+            }
+        },
+    );
+    let service = tower::ServiceBuilder::new()
+        .layer(tower_http::limit::RequestBodyLimitLayer::new(1024))
+        .layer(builder(&store).global_keys().build().unwrap())
+        .service(handler);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let service = TowerToHyperService::new(service.clone());
+            tokio::spawn(async move {
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    let client = support::client();
+    let first = support::http(
+        &client,
+        addr,
+        post_req("/jobs", Some("incoming"), "payload"),
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_eq!(first.body, "run 1: payload");
+    let again = support::http(
+        &client,
+        addr,
+        post_req("/jobs", Some("incoming"), "payload"),
+    )
+    .await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    let big = support::http(
+        &client,
+        addr,
+        post_req("/jobs", Some("big"), &"x".repeat(2000)),
+    )
+    .await;
+    assert_eq!(big.status, StatusCode::PAYLOAD_TOO_LARGE, "{big:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
