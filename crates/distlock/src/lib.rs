@@ -118,6 +118,7 @@
 mod backend;
 mod backoff;
 mod client;
+mod clock;
 mod config;
 mod error;
 mod guard;

@@ -175,8 +175,11 @@ impl Once {
         tag: impl Into<Bytes>,
         wait: Duration,
     ) -> Result<Begin, LockError> {
-        self.begin_with(tag.into(), Some(Instant::now() + wait))
-            .await
+        self.begin_with(
+            tag.into(),
+            Some(crate::clock::after(crate::clock::now(), wait)),
+        )
+        .await
     }
 
     async fn begin_with(&self, tag: Bytes, deadline: Option<Instant>) -> Result<Begin, LockError> {

@@ -77,7 +77,7 @@ struct HoldState {
 }
 
 fn base() -> Instant {
-    static BASE: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
+    static BASE: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(crate::clock::now);
     *BASE
 }
 
@@ -186,7 +186,7 @@ async fn run(inner: Weak<Inner>) {
         let Some(strong) = inner.upgrade() else {
             return;
         };
-        let now = Instant::now();
+        let now = crate::clock::now();
         let mut due = Vec::new();
         let next = {
             let mut queue = strong.queue.lock().unwrap_or_else(|e| e.into_inner());
@@ -308,11 +308,11 @@ async fn renew(hold: Arc<Hold>, lease: Duration, sent: Instant) {
             }
             Ok(Err(error)) => {
                 tracing::debug!(lock = hold.op.name.as_str(), %error, "renewal failed, retrying");
-                state.next_renewal = Instant::now() + state.retry.next_delay();
+                state.next_renewal = crate::clock::now() + state.retry.next_delay();
             }
             Err(_) => {
                 tracing::debug!(lock = hold.op.name.as_str(), "renewal timed out, retrying");
-                state.next_renewal = Instant::now() + state.retry.next_delay();
+                state.next_renewal = crate::clock::now() + state.retry.next_delay();
             }
         }
         if hold.lease.loss().is_some() {

@@ -291,7 +291,7 @@ impl MemoryBackend {
     }
 
     fn acquire_now(&self, op: &Op) -> Result<Attempt, LockError> {
-        let now = Instant::now();
+        let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
         let key = op.name.lock_key();
@@ -408,7 +408,7 @@ impl MemoryBackend {
     }
 
     fn extend_now(&self, op: &Op, lease: Duration) -> bool {
-        let now = Instant::now();
+        let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
         let Some(key) = Self::owned(&store, op, now) else {
@@ -416,8 +416,14 @@ impl MemoryBackend {
         };
         let ttl = state_ttl(op);
         let entry = store.entries.get_mut(&*key).expect("owned");
+        let mut expires = now + lease;
         if let Some(lock) = entry.lock.as_mut() {
-            lock.expires = now + lease;
+            if let Holder::Reentrant { .. } = lock.holder {
+                // Shared by every hold of the owner: a renewal never cuts short the lease
+                // another hold was promised (as `reentrant_extend.lua`).
+                expires = expires.max(lock.expires);
+            }
+            lock.expires = expires;
         }
         let state_expiry = match (entry.state.as_mut(), ttl) {
             (Some(state), Some(ttl)) => {
@@ -426,7 +432,7 @@ impl MemoryBackend {
             }
             _ => None,
         };
-        store.index(now + lease, Slot::Lock, &key);
+        store.index(expires, Slot::Lock, &key);
         if let Some(at) = state_expiry {
             store.index(at, Slot::State, &key);
         }
@@ -434,7 +440,7 @@ impl MemoryBackend {
     }
 
     fn release_now(&self, op: &Op) -> bool {
-        let now = Instant::now();
+        let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
         let Some(key) = Self::owned(&store, op, now) else {
@@ -460,7 +466,7 @@ impl MemoryBackend {
     }
 
     fn complete_now(&self, op: &Op, record: &[u8]) -> Result<bool, LockError> {
-        let now = Instant::now();
+        let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
         let Some(key) = Self::owned(&store, op, now) else {

@@ -27,7 +27,7 @@
 //!   `appendfsync always`).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::future::join_all;
 
@@ -150,7 +150,7 @@ impl<C: Conn> RedlockBackend<C> {
     }
 
     async fn acquire_quorum(&self, op: &Op) -> Result<Attempt, LockError> {
-        let started = Instant::now();
+        let started = crate::clock::now();
         let mut fanout = self.fanout(op, |node| node.acquire(op)).await;
         let mut fences = Vec::new();
         let mut held_ttl: Option<Duration> = None;
