@@ -42,18 +42,21 @@ impl Lock {
 
     /// The same lock with other timing.
     ///
+    /// # Errors
+    /// If the store cannot honour `config` (see [`LockClient::with_config`]).
+    ///
     /// ```
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// use std::time::Duration;
     /// let short = distlock::LockConfig::builder().lease(Duration::from_secs(2)).build()?;
-    /// let lock = distlock::LockClient::memory().lock("job")?.with_config(short);
+    /// let lock = distlock::LockClient::memory().lock("job")?.with_config(short)?;
     /// assert_eq!(lock.config().lease(), Duration::from_secs(2));
     /// # Ok(()) }
     /// ```
-    #[must_use]
-    pub fn with_config(mut self, config: LockConfig) -> Self {
+    pub fn with_config(mut self, config: LockConfig) -> Result<Self, crate::ConfigError> {
+        self.client.backend().check_config(&config)?;
         self.config = Arc::new(config);
-        self
+        Ok(self)
     }
 
     /// The lock name and its keys.
@@ -243,7 +246,9 @@ fn spawn_cleanup(backend: Arc<dyn Backend>, op: Op, config: LockConfig, sent: In
         return;
     };
     let until = sent + op.lease;
+    let task = backend.waiters().task();
     runtime.spawn(async move {
+        let _task = task;
         let mut backoff = Backoff::new(config.retry_base(), config.retry_max());
         loop {
             match tokio::time::timeout(config.op_timeout(), backend.release(&op)).await {
@@ -304,7 +309,11 @@ pub(crate) async fn acquire_until(
                 waiter = Some(registered);
             }
             Some(registered) => {
-                let mut delay = backoff.next_delay().min(left);
+                let mut delay = if config.polling() {
+                    backoff.next_delay().min(left)
+                } else {
+                    left
+                };
                 if let Some(ttl) = ttl {
                     // Wake when the holder's lease ends: a crashed holder sends no release.
                     delay = delay.min(*ttl + Duration::from_millis(1));

@@ -40,7 +40,7 @@ use crate::ConfigError;
 ///     &["redis://127.0.0.1:26379/", "redis://127.0.0.1:26380/"],
 ///     "mymaster",
 /// )?;
-/// let client = distlock::LockClient::builder().redis(conn);
+/// let client = distlock::LockClient::builder().redis(conn)?;
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]

@@ -102,7 +102,7 @@ impl Watchdog {
         let hold = Arc::new(Hold {
             id: queue.next_id,
             watchdog: Arc::downgrade(&self.inner),
-            cap: config.max_hold().map(|c| acquired + c),
+            cap: config.max_hold().and_then(|c| acquired.checked_add(c)),
             state: Mutex::new(HoldState {
                 event: None,
                 next_renewal: acquired + renew_every,
@@ -255,7 +255,8 @@ fn attend(inner: &Inner, hold: &Arc<Hold>, now: Instant) {
         let config = &hold.config;
         let lease = match hold.cap {
             None => config.lease(),
-            Some(cap) => config.lease().min(cap.saturating_duration_since(now)),
+            // Whole milliseconds, as Redis keeps them: the lease counted here is the one set.
+            Some(cap) => whole_millis(config.lease().min(cap.saturating_duration_since(now))),
         };
         if lease <= config.drift() * 2 {
             // The cap leaves no useful lease: stop renewing and let this one run out.
@@ -268,6 +269,10 @@ fn attend(inner: &Inner, hold: &Arc<Hold>, now: Instant) {
     }
     let at = state.next_event(hold);
     schedule(&mut queue, hold, &mut state, at);
+}
+
+fn whole_millis(d: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Sends one renewal, then records its outcome and schedules the hold's next event.
@@ -289,7 +294,11 @@ async fn renew(hold: Arc<Hold>, lease: Duration, sent: Instant) {
                 hold.lease.renewed(sent + lease - config.drift());
                 state.next_renewal = sent + config.renew_every();
                 state.retry.reset();
-                if hold.cap.is_some_and(|cap| sent + lease >= cap) {
+                // (The capped lease was cut to whole milliseconds: within one of the cap is at it.)
+                if hold
+                    .cap
+                    .is_some_and(|cap| sent + lease + Duration::from_millis(1) > cap)
+                {
                     state.renewing = false;
                     state.capped = true;
                 }

@@ -52,7 +52,7 @@ impl Store {
                 c.prepare().await.unwrap();
                 c
             }
-            (None, Some(shared)) => shared.with_config(config),
+            (None, Some(shared)) => shared.with_config(config).unwrap(),
             _ => unreachable!(),
         }
     }
@@ -299,6 +299,7 @@ async fn reentrant_holds_never_shorten_each_others_lease(store: Store) {
         .reentrant("nest", &me)
         .unwrap()
         .with_config(short)
+        .unwrap()
         .try_acquire()
         .await
         .unwrap();

@@ -30,7 +30,7 @@ async fn redlock(nodes: &[RedisServer], prefix: &str, config: LockConfig) -> Loc
         .config(config)
         .prefix(prefix)
         .unwrap()
-        .node_timeout(ms(100))
+        .node_timeout(ms(70))
         .connect_redlock(&urls(nodes))
         .unwrap();
     // Scripts loaded on every live node (a quorum suffices).
@@ -41,7 +41,7 @@ async fn redlock(nodes: &[RedisServer], prefix: &str, config: LockConfig) -> Loc
 fn config(lease: u64) -> LockConfig {
     LockConfig::builder()
         .lease(ms(lease))
-        .op_timeout(ms(lease / 3))
+        .op_timeout(ms(lease / 4))
         .build()
         .unwrap()
 }
@@ -355,4 +355,65 @@ async fn the_restart_rule_both_ways() {
         "A knew it had lost the lock before B took it"
     );
     assert!(guard_b.is_held());
+}
+
+/// `Once` on Redlock decides "done" by quorum. Holder X's lease runs out on two of three nodes
+/// (their lock keys vanish): its completion stores a record on the third only and is told
+/// `LeaseLost`. Y then takes the two free nodes and completes. Every reader, whichever node
+/// answers first, gets Y's record: X's minority record is never replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_minority_completion_record_is_never_replayed() {
+    let n = nodes(3, false).await;
+    let prefix = testkit::unique_prefix("rl-once");
+    let client = redlock(&n, &prefix, config(5_000)).await;
+    let once = client.once("evt").unwrap();
+    let distlock::Begin::Acquired(x) = once.begin("x").await.unwrap() else {
+        panic!("free")
+    };
+    for node in &n[1..] {
+        let mut c = node.connection().await;
+        let _: () = c.del(once.name().lock_key()).await.unwrap();
+    }
+    assert!(matches!(
+        x.complete(b"X").await,
+        Err(LockError::LeaseLost { .. })
+    ));
+    let mut c0 = n[0].connection().await;
+    let stored: Option<String> = c0.hget(once.name().state_key(), "d").await.unwrap();
+    assert_eq!(stored.as_deref(), Some("X"), "X's record is on node 0 only");
+    match once.begin("y").await.unwrap() {
+        distlock::Begin::Acquired(y) => y.complete(b"Y").await.unwrap(),
+        distlock::Begin::Done(r) => panic!("a minority record was replayed: {r:?}"),
+        other => panic!("{other:?}"),
+    }
+    for _ in 0..5 {
+        let reader = redlock(&n, &prefix, config(5_000)).await;
+        match reader.once("evt").unwrap().begin("z").await.unwrap() {
+            distlock::Begin::Done(r) => assert_eq!(&r[..], b"Y"),
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+/// Run-once and reentrant locks always fence, on Redlock too, even with `fencing(false)`.
+#[tokio::test]
+async fn once_and_reentrant_locks_fence_on_redlock_without_fencing() {
+    let n = nodes(3, false).await;
+    let prefix = testkit::unique_prefix("rl-fence-off");
+    let unfenced = config(5_000).to_builder().fencing(false).build().unwrap();
+    let client = redlock(&n, &prefix, unfenced).await;
+    let distlock::Begin::Acquired(g) = client.once("o").unwrap().begin("").await.unwrap() else {
+        panic!("free")
+    };
+    assert!(g.fence() >= 1, "a run-once lock fences");
+    let me = distlock::OwnerId::random();
+    let r = client
+        .reentrant("r", &me)
+        .unwrap()
+        .try_acquire()
+        .await
+        .unwrap();
+    assert!(r.fence() >= 1, "a reentrant lock fences");
+    let x = client.lock("x").unwrap().try_acquire().await.unwrap();
+    assert_eq!(x.fence(), 0, "an exclusive lock does not");
 }

@@ -364,8 +364,8 @@ impl MemoryBackend {
                 state.tag = Some(tag);
             }
             if let Some(ttl) = ttl {
-                state.expires = Some(now + ttl);
-                state_expiry = Some(now + ttl);
+                state.expires = Some(crate::clock::after(now, ttl));
+                state_expiry = Some(crate::clock::after(now, ttl));
             }
         }
         let holder = match &op.mode {
@@ -427,8 +427,8 @@ impl MemoryBackend {
         }
         let state_expiry = match (entry.state.as_mut(), ttl) {
             (Some(state), Some(ttl)) => {
-                state.expires = Some(now + ttl);
-                Some(now + ttl)
+                state.expires = Some(crate::clock::after(now, ttl));
+                Some(crate::clock::after(now, ttl))
             }
             _ => None,
         };
@@ -495,7 +495,7 @@ impl MemoryBackend {
         state.record = Some(Bytes::copy_from_slice(record));
         state.completed_by = Some(op.token);
         state.tag = None;
-        let state_expiry = ttl.map(|ttl| now + ttl);
+        let state_expiry = ttl.map(|ttl| crate::clock::after(now, ttl));
         state.expires = state_expiry;
         entry.lock = None;
         store.settle(&key, before);

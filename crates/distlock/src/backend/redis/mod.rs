@@ -466,6 +466,21 @@ impl<C: Conn> Backend for RedisBackend<C> {
     fn describe(&self) -> String {
         self.describe.clone()
     }
+
+    fn check_config(&self, config: &crate::LockConfig) -> Result<(), crate::ConfigError> {
+        match self.replicas {
+            Some((_, timeout)) if timeout >= config.op_timeout() => {
+                Err(crate::ConfigError::invalid(
+                    "replicas",
+                    format!(
+                        "the WAIT timeout {timeout:?} must be below the command timeout {:?} (it is part of the same command)",
+                        config.op_timeout()
+                    ),
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 #[cfg(test)]
