@@ -573,7 +573,7 @@ impl IdempotencyLayerBuilder {
             return invalid("retry_after", "must be above zero".into());
         }
         let store = match self.lease {
-            Some(config) => Store::from_client(self.store.client().with_config(config)),
+            Some(config) => Store::from_client(self.store.client().with_config(config)?),
             None => self.store,
         };
         // The lock crate checks the retention against the lease.

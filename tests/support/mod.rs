@@ -299,7 +299,8 @@ impl TestStore {
             .prefix(&testkit::unique_prefix(test))
             .unwrap()
             .notifications(redis::Client::open(cluster.urls()[0].as_str()).unwrap())
-            .redis(cluster.connection().await);
+            .redis(cluster.connection().await)
+            .unwrap();
         client.prepare().await.expect("the cluster answers");
         TestStore {
             store: Store::from_client(client),
