@@ -618,3 +618,34 @@ async fn a_frozen_holders_late_write_is_fenced_off() {
     let value: String = r.hget(&resource, "v").await.unwrap();
     assert_eq!(value, "B");
 }
+
+/// One of three Redlock masters is frozen: a fresh `distlock run` starts CMD as soon as a
+/// quorum answers, not after the frozen master's connection timeouts (5.2 s before).
+#[tokio::test]
+async fn a_frozen_redlock_master_does_not_stall_the_start() {
+    let nodes = RedisServer::start_many(3).await;
+    let prefix = testkit::unique_prefix("cli-frozen-master");
+    let dir = tempfile::tempdir().unwrap();
+    nodes[2].pause().await;
+    let mut c = Command::new(BIN);
+    c.arg("run");
+    for n in &nodes {
+        c.args(["--redis", &n.url()]);
+    }
+    c.args(["--prefix", &prefix, "--key", "job", "--", "sh", "-c"])
+        .arg(format!("touch {}/ran", dir.path().display()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let started = std::time::Instant::now();
+    let child = c.spawn().unwrap();
+    wait_for_file(&dir.path().join("ran")).await;
+    let took = started.elapsed();
+    let out = finish(child).await;
+    nodes[2].resume().await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        took < Duration::from_millis(2_000),
+        "CMD started {took:?} after distlock, stalled by the frozen master"
+    );
+}

@@ -417,3 +417,31 @@ async fn once_and_reentrant_locks_fence_on_redlock_without_fencing() {
     let x = client.lock("x").unwrap().try_acquire().await.unwrap();
     assert_eq!(x.fence(), 0, "an exclusive lock does not");
 }
+
+/// One of three masters is frozen (SIGSTOP: it accepts connections and never answers). A fresh
+/// client connects to the nodes concurrently and goes on with the quorum that answers: ready
+/// and holding the lock in well under a second, not after the frozen node's connection
+/// timeouts (5 s before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_master_does_not_stall_a_fresh_client() {
+    let n = nodes(3, false).await;
+    let prefix = testkit::unique_prefix("rl-frozen-start");
+    n[0].pause().await;
+    let started = std::time::Instant::now();
+    let client = LockClient::builder()
+        .prefix(&prefix)
+        .unwrap()
+        .connect_redlock(&urls(&n))
+        .unwrap();
+    let prepared = client.prepare().await;
+    let guard = client.lock("k").unwrap().try_acquire().await;
+    let took = started.elapsed();
+    n[0].resume().await;
+    prepared.expect("a quorum is ready");
+    let guard = guard.expect("a quorum takes the lock");
+    assert!(
+        took < Duration::from_millis(1_500),
+        "a fresh client waited {took:?} for a frozen master"
+    );
+    assert!(guard.release().await.unwrap());
+}

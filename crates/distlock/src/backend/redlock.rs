@@ -34,7 +34,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use futures_util::future::join_all;
+use futures_util::stream::FuturesUnordered;
 
 use super::redis::{Conn, RedisBackend};
 use super::waiters::Waiters;
@@ -263,17 +265,27 @@ impl<C: Conn> Backend for RedlockBackend<C> {
 
     fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>> {
         Box::pin(async move {
-            let results = join_all(self.nodes.iter().map(|n| n.prepare())).await;
-            let ok = results.iter().filter(|r| r.is_ok()).count();
-            if ok >= self.quorum {
-                return Ok(());
-            }
-            let source = results.into_iter().rev().find_map(|r| match r {
-                Err(LockError::Unavailable { source, .. } | LockError::Redis { source, .. }) => {
-                    Some(source)
+            // All nodes at once, done as soon as a quorum is ready: a frozen or slow node must
+            // not hold up a fresh client. The others join when they answer (they connect
+            // lazily, and load the scripts on first use).
+            let mut pending: FuturesUnordered<_> =
+                self.nodes.iter().map(RedisBackend::prepare).collect();
+            let (mut ok, mut source) = (0, None);
+            while let Some(result) = pending.next().await {
+                match result {
+                    Ok(()) => ok += 1,
+                    Err(
+                        LockError::Unavailable { source: s, .. }
+                        | LockError::Redis { source: s, .. },
+                    ) => {
+                        source = Some(s);
+                    }
+                    Err(_) => {}
                 }
-                _ => None,
-            });
+                if ok >= self.quorum {
+                    return Ok(());
+                }
+            }
             Err(LockError::NoQuorum {
                 name: "(scripts)".into(),
                 confirmed: ok,
