@@ -90,8 +90,12 @@ pub enum LockError {
         /// Replicas required.
         wanted: usize,
     },
-    /// The in-memory store is at its configured capacity with locks that are all held.
-    #[error("in-memory lock store is full ({entries} entries); lock {name:?} was not taken")]
+    /// The in-memory store is at its configured capacity and nothing in it can be evicted:
+    /// every entry is a held lock (or a record is larger than the whole byte budget). Records
+    /// kept for their retention and expired entries are evicted before this happens.
+    #[error(
+        "in-memory lock store is full ({entries} entries, none evictable: held locks); lock {name:?} was not taken"
+    )]
     Capacity {
         /// The lock name.
         name: String,
