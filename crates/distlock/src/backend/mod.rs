@@ -12,6 +12,8 @@ use bytes::Bytes;
 use crate::{LockError, LockName, OwnerId, Token};
 
 pub(crate) mod memory;
+#[cfg(test)]
+mod model_tests;
 pub(crate) mod redis;
 pub(crate) mod redlock;
 pub(crate) mod waiters;
