@@ -663,6 +663,43 @@ mod tests {
         assert!(sentinel.store().contains("sentinel"));
     }
 
+    /// The replica check and the node timeout must fit every configuration a lock runs with,
+    /// in whatever order the builder was called, and through every `with_config`.
+    #[tokio::test]
+    async fn replica_and_node_timeouts_are_checked_against_every_config() {
+        use std::time::Duration;
+        let short = crate::LockConfig::builder()
+            .op_timeout(Duration::from_millis(300))
+            .build()
+            .unwrap();
+        let err = LockClient::builder()
+            .replicas(1, Duration::from_millis(500))
+            .unwrap()
+            .config(short.clone())
+            .redis(Nowhere)
+            .expect_err("WAIT 500 ms in a 300 ms command");
+        assert!(err.to_string().contains("replicas"), "{err}");
+        let client = LockClient::builder()
+            .replicas(1, Duration::from_millis(500))
+            .unwrap()
+            .redis(Nowhere)
+            .unwrap();
+        assert!(client.with_config(short.clone()).is_err());
+        assert!(client.lock("k").unwrap().with_config(short.clone()).is_err());
+        assert!(client.once("k").unwrap().with_config(short.clone()).is_err());
+        let err = LockClient::builder()
+            .node_timeout(Duration::from_millis(200))
+            .config(short.clone())
+            .redlock(vec![Nowhere, Nowhere, Nowhere])
+            .expect_err("three 200 ms rounds in a 300 ms command");
+        assert!(err.to_string().contains("node_timeout"), "{err}");
+        let redlock = LockClient::builder()
+            .node_timeout(Duration::from_millis(200))
+            .redlock(vec![Nowhere, Nowhere, Nowhere])
+            .unwrap();
+        assert!(redlock.lock("k").unwrap().with_config(short).is_err());
+    }
+
     #[tokio::test]
     async fn the_longest_waits_and_caps_saturate() {
         use std::time::Duration;
