@@ -685,8 +685,20 @@ mod tests {
             .redis(Nowhere)
             .unwrap();
         assert!(client.with_config(short.clone()).is_err());
-        assert!(client.lock("k").unwrap().with_config(short.clone()).is_err());
-        assert!(client.once("k").unwrap().with_config(short.clone()).is_err());
+        assert!(
+            client
+                .lock("k")
+                .unwrap()
+                .with_config(short.clone())
+                .is_err()
+        );
+        assert!(
+            client
+                .once("k")
+                .unwrap()
+                .with_config(short.clone())
+                .is_err()
+        );
         let err = LockClient::builder()
             .node_timeout(Duration::from_millis(200))
             .config(short.clone())

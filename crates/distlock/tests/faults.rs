@@ -390,3 +390,55 @@ async fn a_stalled_holders_late_write_is_fenced_off() {
     assert_eq!(resource.value().as_deref(), Some("current holder's data"));
     assert_eq!(resource.rejected().len(), 1);
 }
+
+/// A Sentinel master that hangs (as the client sees it: its connection answers nothing, the
+/// socket stays open) without any failover, so no `+switch-master` ever comes: the client
+/// abandons the silent connection, asks the sentinels again, and works on a new connection
+/// within a few seconds. Before, every command kept timing out on the hung connection forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_sentinel_master_is_abandoned_without_a_switch() {
+    let group = testkit::RedisSentinel::start_behind_proxy(0).await;
+    let proxy = group.proxy().expect("behind a proxy");
+    let config = LockConfig::builder()
+        .lease(ms(900))
+        .op_timeout(ms(150))
+        .build()
+        .unwrap();
+    let client = LockClient::builder()
+        .config(config)
+        .prefix(&testkit::unique_prefix("sentinel-hung"))
+        .unwrap()
+        .sentinel(&group.sentinel_urls(), testkit::SENTINEL_SERVICE)
+        .unwrap();
+    let lock = client.lock("k").unwrap();
+    let mut ready = false;
+    for _ in 0..100 {
+        if let Ok(g) = lock.try_acquire().await {
+            assert!(g.release().await.unwrap());
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(ms(50)).await;
+    }
+    assert!(ready, "the lock works through the sentinels");
+    proxy.hang_open_connections();
+    let hung = std::time::Instant::now();
+    let mut recovered = None;
+    while hung.elapsed() < Duration::from_secs(8) {
+        match lock.try_acquire().await {
+            Ok(g) => {
+                recovered = Some(g);
+                break;
+            }
+            Err(e) if e.is_unavailable() => tokio::time::sleep(ms(100)).await,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let guard = recovered.unwrap_or_else(|| {
+        panic!(
+            "still no answer {:?} after the master's connection hung",
+            hung.elapsed()
+        )
+    });
+    assert!(guard.release().await.unwrap());
+}

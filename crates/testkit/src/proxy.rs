@@ -33,6 +33,8 @@ struct Shared {
     accepted: AtomicUsize,
     /// Replies dropped so far.
     dropped: AtomicUsize,
+    /// Connections accepted before this count are hung for good.
+    hung_below: AtomicUsize,
     /// Fired to cut every open connection.
     cut: Notify,
     /// Fired when the faults change (a black hole ends).
@@ -120,6 +122,15 @@ impl FaultProxy {
         self.shared.changed.notify_waiters();
     }
 
+    /// Hangs every connection open now, for good: nothing passes on them any more, and they
+    /// stay open (a frozen server, or a network path that drops everything, as the client
+    /// sees it). New connections pass.
+    pub fn hang_open_connections(&self) {
+        let open = self.shared.accepted.load(Ordering::SeqCst);
+        self.shared.hung_below.store(open, Ordering::SeqCst);
+        self.shared.changed.notify_waiters();
+    }
+
     /// Cuts every open connection (new ones are accepted).
     pub fn cut_all(&self) {
         self.shared.cut.notify_waiters();
@@ -158,7 +169,7 @@ async fn accept(listener: TcpListener, upstream: String, shared: Arc<Shared>) {
         let Ok((client, _)) = listener.accept().await else {
             continue;
         };
-        shared.accepted.fetch_add(1, Ordering::SeqCst);
+        let id = shared.accepted.fetch_add(1, Ordering::SeqCst);
         let upstream = upstream.clone();
         let shared = shared.clone();
         tokio::spawn(async move {
@@ -171,7 +182,7 @@ async fn accept(listener: TcpListener, upstream: String, shared: Arc<Shared>) {
             tokio::pin!(cut);
             cut.as_mut().enable();
             tokio::select! {
-                () = pump(client, server, shared.clone()) => {}
+                () = pump(client, server, shared.clone(), id) => {}
                 () = cut => {}
             }
         });
@@ -179,7 +190,7 @@ async fn accept(listener: TcpListener, upstream: String, shared: Arc<Shared>) {
 }
 
 /// Forwards both ways until either side closes or a dropped reply cuts the connection.
-async fn pump(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
+async fn pump(client: TcpStream, server: TcpStream, shared: Arc<Shared>, id: usize) {
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
     // Set when this connection is to be cut after a reply: nothing more goes to the server.
@@ -195,7 +206,7 @@ async fn pump(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
                     Ok(0) | Err(_) => return,
                     Ok(n) => n,
                 };
-                wait_while_blackholed(&shared).await;
+                wait_while_blackholed(&shared, id).await;
                 if cutting.load(Ordering::SeqCst) {
                     std::future::pending::<()>().await;
                 }
@@ -245,7 +256,7 @@ async fn pump(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
         async move {
             while let Some((due, bytes, cut)) = queued.recv().await {
                 tokio::time::sleep_until(due).await;
-                wait_while_blackholed(&shared).await;
+                wait_while_blackholed(&shared, id).await;
                 if client_write.write_all(&bytes).await.is_err() || cut {
                     let _ = client_write.flush().await;
                     return;
@@ -260,12 +271,13 @@ async fn pump(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
     }
 }
 
-async fn wait_while_blackholed(shared: &Shared) {
+async fn wait_while_blackholed(shared: &Shared, id: usize) {
     loop {
         let changed = shared.changed.notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
-        if !shared.faults.lock().unwrap().blackhole {
+        let hung = id < shared.hung_below.load(Ordering::SeqCst);
+        if !hung && !shared.faults.lock().unwrap().blackhole {
             return;
         }
         changed.await;
