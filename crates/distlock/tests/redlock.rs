@@ -469,7 +469,7 @@ async fn leases_outlived_while_masters_fail_with_a_seeded_schedule() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| testkit::now_ns() % 1_000_000);
-    let failed = |what: String| panic!("seed {seed} (replay with SEED={seed}): {what}");
+    let failed = |what: String| -> ! { panic!("seed {seed} (replay with SEED={seed}): {what}") };
     let mut rng = fastrand::Rng::with_seed(seed);
     let steps = if std::env::var("SOAK").is_ok_and(|v| v == "1") {
         40
@@ -538,9 +538,8 @@ async fn leases_outlived_while_masters_fail_with_a_seeded_schedule() {
         });
         let mut second = None;
         if long {
-            if std::ptr::eq(holder, &renewing) && down.is_some() {
+            if let (true, Some((d, _))) = (std::ptr::eq(holder, &renewing), down) {
                 // A second master fails mid-hold: no quorum renews the lease, it runs out.
-                let (d, _) = down.unwrap();
                 let j = (d + 1 + rng.usize(0..2)) % 3;
                 n[j].pause().await;
                 second = Some(j);

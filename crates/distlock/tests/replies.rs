@@ -56,6 +56,11 @@ async fn exists(server: &RedisServer, key: &str) -> bool {
     c.exists(key).await.unwrap()
 }
 
+/// Whether `key` is gone within `limit`.
+async fn gone_within(server: &RedisServer, key: &str, limit: Duration) -> bool {
+    eventually(limit, || async { !exists(server, key).await }).await
+}
+
 /// The key's expiry in Redis, as an interval of this process's clock that contains it.
 async fn key_expiry(server: &RedisServer, key: &str) -> Option<(Instant, Instant)> {
     let mut c = server.connection().await;
@@ -130,10 +135,7 @@ async fn a_lost_acquisition_reply_is_ambiguous_and_cleaned_up() {
     }
     assert_eq!(proxy.dropped(), 1);
     assert!(
-        eventually(Duration::from_secs(2), || async {
-            !exists(&server, &key).await
-        })
-        .await,
+        gone_within(&server, &key, Duration::from_secs(2)).await,
         "the lock taken by the attempt whose reply was lost is deleted"
     );
 }
@@ -204,10 +206,7 @@ async fn a_dropped_acquisition_future_frees_the_lock() {
         assert!(exists(&server, state).await, "{kind}: the command ran");
         let given_up = Instant::now();
         assert!(
-            eventually(Duration::from_secs(1), || async {
-                !exists(&server, key).await
-            })
-            .await,
+            gone_within(&server, key, Duration::from_secs(1)).await,
             "{kind}: the lock is still held {:?} after the caller gave up",
             given_up.elapsed()
         );
@@ -259,7 +258,7 @@ async fn a_dropped_redlock_acquisition_frees_every_node() {
     );
     for s in &servers {
         assert!(
-            eventually(Duration::from_secs(1), || async { !exists(s, &key).await }).await,
+            gone_within(s, &key, Duration::from_secs(1)).await,
             "a node still holds the lock of a dropped acquisition"
         );
     }
@@ -322,10 +321,7 @@ async fn the_replica_check_waits_on_the_connection_that_wrote() {
         "the replica never acknowledged the lock, yet the acquisition succeeded"
     );
     assert!(
-        eventually(Duration::from_secs(1), || async {
-            !exists(&master, &key).await
-        })
-        .await,
+        gone_within(&master, &key, Duration::from_secs(1)).await,
         "the lock of a failed replica check stays behind: {outcome:?}"
     );
 }
@@ -362,10 +358,7 @@ async fn a_failed_replica_check_releases_the_lock() {
     let key = lock.name().lock_key().to_owned();
     assert!(lock.try_acquire().await.is_err());
     assert!(
-        eventually(Duration::from_secs(1), || async {
-            !exists(&server, &key).await
-        })
-        .await,
+        gone_within(&server, &key, Duration::from_secs(1)).await,
         "the lock stays behind after the replica check failed"
     );
 }

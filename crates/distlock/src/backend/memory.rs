@@ -276,7 +276,7 @@ impl Store {
             let Some((at, (_, key))) = next else { break };
             cursor = Some(*at);
             let key = key.clone();
-            if !self.entries.get(&*key).is_some_and(|e| e.lock.is_none()) {
+            if self.entries.get(&*key).is_none_or(|e| e.lock.is_some()) {
                 continue;
             }
             let before = self.footprint(&key);

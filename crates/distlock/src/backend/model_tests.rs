@@ -240,7 +240,7 @@ async fn leases_on_the_memory_store_follow_the_model() {
             1_000,
             &[20, 50, 100, 1_000],
             Duration::ZERO,
-            |d| tokio::time::advance(d),
+            tokio::time::advance,
         )
         .await;
     }
