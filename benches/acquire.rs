@@ -74,8 +74,11 @@ fn uncontended(c: &mut Criterion) {
     let ours = LockClient::builder()
         .prefix("crit")
         .unwrap()
-        .redis(conn.clone());
-    let unfenced = ours.with_config(LockConfig::builder().fencing(false).build().unwrap());
+        .redis(conn.clone())
+        .unwrap();
+    let unfenced = ours
+        .with_config(LockConfig::builder().fencing(false).build().unwrap())
+        .unwrap();
     let ours3 = LockClient::builder()
         .prefix("crit")
         .unwrap()
@@ -149,6 +152,7 @@ fn uncontended(c: &mut Criterion) {
     group.bench_function("ours", |b| b.to_async(&rt).iter(|| ours_pair(&lock)));
     let lock = ours3
         .with_config(LockConfig::builder().fencing(false).build().unwrap())
+        .unwrap()
         .lock("seq-unfenced")
         .unwrap();
     group.bench_function("ours, fencing off", |b| {

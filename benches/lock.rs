@@ -179,7 +179,8 @@ async fn run(mode: Mode) {
     let ours = LockClient::builder()
         .prefix("bench")
         .unwrap()
-        .redis(conn.clone());
+        .redis(conn.clone())
+        .unwrap();
     ours.prepare().await.unwrap();
     let ours_notified = LockClient::builder()
         .prefix("bench")
@@ -196,10 +197,13 @@ async fn run(mode: Mode) {
         .unwrap();
     ours3.prepare().await.unwrap();
     let single = ours.lock("seq").unwrap();
-    let unfenced_client = ours.with_config(LockConfig::builder().fencing(false).build().unwrap());
+    let unfenced_client = ours
+        .with_config(LockConfig::builder().fencing(false).build().unwrap())
+        .unwrap();
     let unfenced = unfenced_client.lock("seq-unfenced").unwrap();
     let unfenced3 = ours3
         .with_config(LockConfig::builder().fencing(false).build().unwrap())
+        .unwrap()
         .lock("seq-unfenced")
         .unwrap();
     let triple = ours3.lock("seq").unwrap();

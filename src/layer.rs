@@ -772,7 +772,7 @@ impl IdempotencyLayerBuilder {
             );
         }
         let store = match self.lease {
-            Some(config) => Store::from_client(self.store.client().with_config(config)),
+            Some(config) => Store::from_client(self.store.client().with_config(config)?),
             None => self.store,
         };
         // The lock crate checks the retention against the lease.

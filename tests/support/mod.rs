@@ -456,7 +456,8 @@ impl TestStore {
             .prefix(&testkit::unique_prefix(test))
             .unwrap()
             .notifications(redis::Client::open(cluster.urls()[0].as_str()).unwrap())
-            .redis(cluster.connection().await);
+            .redis(cluster.connection().await)
+            .unwrap();
         client.prepare().await.expect("the cluster answers");
         TestStore {
             store: Store::from_client(client),
@@ -471,7 +472,9 @@ impl TestStore {
         let client = LockClient::builder()
             .prefix(&testkit::unique_prefix(test))
             .unwrap()
-            .replicas(replicas, std::time::Duration::from_millis(500))
+            // Below the command timeout of the suite's shortest lock (a 200 ms lease: 43 ms),
+            // which distlock now checks for every lock configuration.
+            .replicas(replicas, std::time::Duration::from_millis(30))
             .unwrap()
             .sentinel(&group.sentinel_urls(), testkit::SENTINEL_SERVICE)
             .unwrap();

@@ -18,10 +18,27 @@ pub(crate) enum Command {
     ///
     /// CMD gets DISTLOCK_KEY (the lock name) and DISTLOCK_FENCE (the fencing token: strictly
     /// greater than that of every earlier holder; pass it with your writes) in its environment.
-    /// CMD runs in its own process group; SIGINT, SIGTERM and SIGHUP sent to distlock are
-    /// forwarded to it, and the lock is released after it exits.
+    /// CMD runs in its own process group, led by a small supervisor (distlock itself); SIGINT,
+    /// SIGTERM and SIGHUP sent to distlock are forwarded to the group, and the lock is released
+    /// after CMD exits. If distlock dies (SIGKILL, OOM, a crash), the supervisor kills the whole
+    /// group: nothing of CMD runs on without the lock.
     #[command(after_help = crate::exit::TABLE)]
     Run(RunArgs),
+    /// (Internal) The supervisor `run` starts CMD under: it leads CMD's process group and ends
+    /// the whole group if `distlock` dies.
+    #[command(hide = true, name = "__supervise")]
+    Supervise(SuperviseArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct SuperviseArgs {
+    /// The pid of the `distlock run` process to watch.
+    #[arg(long)]
+    pub(crate) parent: i32,
+
+    /// The command and its arguments.
+    #[arg(required = true, last = true)]
+    pub(crate) command: Vec<String>,
 }
 
 #[derive(Debug, Args)]
@@ -109,7 +126,9 @@ mod tests {
     fn the_command_comes_after_two_dashes() {
         let cli =
             Cli::try_parse_from(["distlock", "run", "--key", "k", "--", "echo", "--key"]).unwrap();
-        let Command::Run(args) = cli.command;
+        let Command::Run(args) = cli.command else {
+            panic!("run")
+        };
         assert_eq!(args.command, ["echo", "--key"]);
         assert!(Cli::try_parse_from(["distlock", "run", "--key", "k"]).is_err());
     }

@@ -7,6 +7,7 @@
 mod args;
 mod exit;
 mod run;
+mod supervise;
 
 use clap::Parser;
 use clap::error::ErrorKind;
@@ -24,6 +25,9 @@ fn main() {
             std::process::exit(code);
         }
     };
+    if let args::Command::Supervise(args) = &cli.command {
+        std::process::exit(supervise::supervise(args));
+    }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -36,6 +40,7 @@ fn main() {
     };
     let code = match cli.command {
         args::Command::Run(args) => runtime.block_on(run::run(args)),
+        args::Command::Supervise(_) => exit::SOFTWARE,
     };
     drop(runtime);
     std::process::exit(code);

@@ -68,10 +68,41 @@ pub(crate) async fn run(args: RunArgs) -> i32 {
             format!("redis unreachable ({}): {}", urls.join(", "), chain(&e)),
         );
     }
-    let acquired = if args.wait.is_zero() {
-        lock.try_acquire().await
-    } else {
-        lock.acquire(args.wait).await
+    // A signal while the lock is being acquired ends the attempt: the acquisition future is
+    // dropped (a command in flight may have taken the lock: the library sends its token-based
+    // cleanup), and distlock waits for that cleanup before it exits with 128+N.
+    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::hangup()),
+    ) else {
+        return fail(exit::SOFTWARE, "cannot install signal handlers");
+    };
+    let acquire = async {
+        if args.wait.is_zero() {
+            lock.try_acquire().await
+        } else {
+            lock.acquire(args.wait).await
+        }
+    };
+    let interrupted = tokio::select! {
+        acquired = acquire => Ok(acquired),
+        _ = term.recv() => Err(Signal::TERM),
+        _ = int.recv() => Err(Signal::INT),
+        _ = hup.recv() => Err(Signal::HUP),
+    };
+    let acquired = match interrupted {
+        Ok(acquired) => acquired,
+        Err(sig) => {
+            let cleaned = client.settle(lock.config().op_timeout() * 2).await;
+            if !cleaned {
+                eprintln!(
+                    "distlock: interrupted; the cleanup of {:?} did not finish (it expires with its lease)",
+                    args.key
+                );
+            }
+            return 128 + sig.as_raw();
+        }
     };
     let guard = match acquired {
         Ok(guard) => guard,
@@ -95,7 +126,7 @@ pub(crate) async fn run(args: RunArgs) -> i32 {
             guard.fence()
         );
     }
-    let code = supervise(&args, &guard).await;
+    let code = supervise(&args, &guard, (term, int, hup)).await;
     match guard.release().await {
         Ok(true) => {
             if args.verbose {
@@ -127,23 +158,38 @@ fn connect(
     }
 }
 
-/// Spawns CMD and waits for it, terminating it if the lease is lost and forwarding signals.
-async fn supervise(args: &RunArgs, guard: &LockGuard) -> i32 {
-    let mut command = tokio::process::Command::new(&args.command[0]);
+type Signals = (
+    tokio::signal::unix::Signal,
+    tokio::signal::unix::Signal,
+    tokio::signal::unix::Signal,
+);
+
+/// Spawns CMD under the supervisor (see `supervise.rs`: it leads CMD's process group and ends
+/// it if distlock dies) and waits for it, terminating it if the lease is lost and forwarding
+/// signals.
+async fn supervise(args: &RunArgs, guard: &LockGuard, signals: Signals) -> i32 {
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => {
+            return fail(
+                exit::SOFTWARE,
+                format!("cannot find the distlock binary: {e}"),
+            );
+        }
+    };
+    let mut command = tokio::process::Command::new(exe);
     command
-        .args(&args.command[1..])
+        .arg("__supervise")
+        .arg("--parent")
+        .arg(std::process::id().to_string())
+        .arg("--")
+        .args(&args.command)
         .env("DISTLOCK_KEY", &args.key)
         .env("DISTLOCK_FENCE", guard.fence().to_string())
         .process_group(0);
     let mut child = match command.spawn() {
         Ok(child) => child,
-        Err(e) => {
-            let code = match e.kind() {
-                std::io::ErrorKind::NotFound => exit::NOT_FOUND,
-                _ => exit::CANNOT_EXECUTE,
-            };
-            return fail(code, format!("cannot run {:?}: {e}", args.command[0]));
-        }
+        Err(e) => return fail(exit::SOFTWARE, format!("cannot start the supervisor: {e}")),
     };
     let group = child
         .id()
@@ -152,18 +198,7 @@ async fn supervise(args: &RunArgs, guard: &LockGuard) -> i32 {
     let send = |sig: Signal| {
         let _ = kill_process_group(group, sig);
     };
-    let (mut term, mut int, mut hup) = match (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::hangup()),
-    ) {
-        (Ok(t), Ok(i), Ok(h)) => (t, i, h),
-        _ => {
-            send(Signal::KILL);
-            let _ = child.wait().await;
-            return fail(exit::SOFTWARE, "cannot install signal handlers");
-        }
-    };
+    let (mut term, mut int, mut hup) = signals;
     let mut lost = false;
     let kill_at = tokio::time::sleep(Duration::MAX);
     tokio::pin!(kill_at);
@@ -190,20 +225,15 @@ async fn supervise(args: &RunArgs, guard: &LockGuard) -> i32 {
             _ = hup.recv() => send(Signal::HUP),
         }
     };
+    if status.as_ref().map_or(true, |s| s.code().is_none()) {
+        // The supervisor itself was killed: whatever is left of the group must not run on.
+        send(Signal::KILL);
+    }
     if lost {
         return exit::LEASE_LOST;
     }
     match status {
-        Ok(status) => exit_code(status),
+        Ok(status) => crate::supervise::code(status),
         Err(e) => fail(exit::SOFTWARE, format!("waiting for CMD: {e}")),
-    }
-}
-
-fn exit_code(status: ExitStatus) -> i32 {
-    use std::os::unix::process::ExitStatusExt;
-    match (status.code(), status.signal()) {
-        (Some(code), _) => code,
-        (None, Some(signal)) => 128 + signal,
-        (None, None) => exit::SOFTWARE,
     }
 }

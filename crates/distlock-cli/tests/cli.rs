@@ -295,15 +295,27 @@ async fn signals_are_forwarded_and_the_lock_released() {
     );
 }
 
+/// Whether the process `pid` is gone (or a zombie nobody reaped: it runs no more code).
+#[cfg(target_os = "linux")]
+fn dead(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+    }
+}
+
 /// A distlock process killed with SIGKILL cannot release: its lock lives until the lease ends,
-/// then a waiter takes it.
+/// then a waiter takes it. CMD's whole process group ends with it (here `sh` and the `sleep`
+/// it started in the background), instead of running on without the lock.
+#[cfg(target_os = "linux")]
 #[tokio::test]
-async fn a_killed_holder_process_loses_the_lock_after_its_lease() {
+async fn a_killed_holder_process_loses_the_lock_and_its_command_group() {
     let server = RedisServer::start().await;
     let prefix = testkit::unique_prefix("cli-kill");
     let dir = tempfile::tempdir().unwrap();
-    // CMD ends by itself a little later: its own process group outlives the killed distlock.
-    let cmd = "touch \"$D/started\"; sleep 3";
+    let cmd = "sleep 30 & echo $! > \"$D/bg\"; echo $$ > \"$D/sh\"; touch \"$D/started\"; sleep 30";
     let mut c = distlock(
         &server,
         &prefix,
@@ -314,12 +326,107 @@ async fn a_killed_holder_process_loses_the_lock_after_its_lease() {
     c.env("D", dir.path());
     let mut child = c.spawn().unwrap();
     wait_for_file(&dir.path().join("started")).await;
+    let pid = |name: &str| -> u32 {
+        std::fs::read_to_string(dir.path().join(name))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    let (sh, background) = (pid("sh"), pid("bg"));
+    assert!(!dead(sh) && !dead(background), "CMD runs");
     let client = lib_client(&server, &prefix).await;
     let lock = client.lock("job").unwrap();
     assert!(lock.try_acquire().await.is_err(), "held by the CLI");
     child.kill().await.unwrap();
+    let mut ended = false;
+    for _ in 0..100 {
+        if dead(sh) && dead(background) {
+            ended = true;
+            break;
+        }
+        tokio::time::sleep(ms(20)).await;
+    }
+    assert!(
+        ended,
+        "CMD's process group outlived the killed distlock (sh dead: {}, its background sleep dead: {})",
+        dead(sh),
+        dead(background)
+    );
     let guard = lock.acquire(Duration::from_secs(10)).await.unwrap();
     assert!(guard.fence() >= 2);
+}
+
+/// SIGTERM while distlock waits for the reply to its acquisition (a proxy holds replies back;
+/// the command ran and took the lock): distlock exits with 128+15, and the lock its attempt
+/// took is freed at once, not at the end of its 30 s lease.
+#[tokio::test]
+async fn an_interrupted_acquisition_frees_the_lock() {
+    let server = RedisServer::start_owned().await;
+    let proxy = testkit::FaultProxy::start(&server).await;
+    let prefix = testkit::unique_prefix("cli-interrupt");
+    let client = lib_client(&server, &prefix).await;
+    let held = client.lock("job").unwrap().try_acquire().await.unwrap();
+    let mut c = Command::new(BIN);
+    c.args([
+        "run",
+        "--redis",
+        &proxy.url(),
+        "--prefix",
+        &prefix,
+        "--key",
+        "job",
+    ])
+    .args(["--lease", "30s", "--wait", "20s", "--", "true"])
+    .env_remove("REDIS_URL")
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .kill_on_drop(true);
+    let child = c.spawn().unwrap();
+    let mut admin = server.connection().await;
+    let key = format!("{prefix}:{{job}}");
+    // distlock waits: it subscribed to the lock's release announcements.
+    let mut waiting = false;
+    for _ in 0..400 {
+        let (_, subscribers): (String, i64) = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg(format!("{key}:rel"))
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        if subscribers > 0 {
+            waiting = true;
+            break;
+        }
+        tokio::time::sleep(ms(10)).await;
+    }
+    assert!(waiting, "distlock never waited for the lock");
+    proxy.delay_replies(Duration::from_secs(3));
+    let ours = held.token().as_str().to_owned();
+    assert!(held.release().await.unwrap());
+    let mut taken = false;
+    for _ in 0..400 {
+        let value: Option<String> = admin.get(&key).await.unwrap();
+        if value.is_some_and(|v| v != ours) {
+            taken = true;
+            break;
+        }
+        tokio::time::sleep(ms(5)).await;
+    }
+    assert!(taken, "distlock's acquisition ran (its reply is held back)");
+    let pid = rustix::process::Pid::from_raw(child.id().unwrap() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    let mut freed = false;
+    for _ in 0..100 {
+        if !admin.exists::<_, bool>(&key).await.unwrap() {
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(ms(10)).await;
+    }
+    assert!(freed, "the interrupted acquisition's lock is still held");
+    let out = finish(child).await;
+    assert_eq!(out.code, 128 + 15, "{}", out.stderr);
 }
 
 /// Several OS processes (the CLI) and in-process tasks contend for one lock. Inside the critical
@@ -510,4 +617,35 @@ async fn a_frozen_holders_late_write_is_fenced_off() {
     let mut r = server.connection().await;
     let value: String = r.hget(&resource, "v").await.unwrap();
     assert_eq!(value, "B");
+}
+
+/// One of three Redlock masters is frozen: a fresh `distlock run` starts CMD as soon as a
+/// quorum answers, not after the frozen master's connection timeouts (5.2 s before).
+#[tokio::test]
+async fn a_frozen_redlock_master_does_not_stall_the_start() {
+    let nodes = RedisServer::start_many(3).await;
+    let prefix = testkit::unique_prefix("cli-frozen-master");
+    let dir = tempfile::tempdir().unwrap();
+    nodes[2].pause().await;
+    let mut c = Command::new(BIN);
+    c.arg("run");
+    for n in &nodes {
+        c.args(["--redis", &n.url()]);
+    }
+    c.args(["--prefix", &prefix, "--key", "job", "--", "sh", "-c"])
+        .arg(format!("touch {}/ran", dir.path().display()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let started = std::time::Instant::now();
+    let child = c.spawn().unwrap();
+    wait_for_file(&dir.path().join("ran")).await;
+    let took = started.elapsed();
+    let out = finish(child).await;
+    nodes[2].resume().await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        took < Duration::from_millis(2_000),
+        "CMD started {took:?} after distlock, stalled by the frozen master"
+    );
 }

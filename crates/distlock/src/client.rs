@@ -83,22 +83,28 @@ impl LockClient {
     /// A client on the same store (same connections, same locks) whose locks default to
     /// `config`.
     ///
+    /// # Errors
+    /// If the store cannot honour `config`: a [replica check](LockClientBuilder::replicas) or
+    /// a Redlock [node timeout](LockClientBuilder::node_timeout) that does not fit in its
+    /// command timeout.
+    ///
     /// ```
     /// use std::time::Duration;
     /// let client = distlock::LockClient::memory();
     /// let short = distlock::LockConfig::builder().lease(Duration::from_secs(1)).build().unwrap();
-    /// assert_eq!(client.with_config(short).config().lease(), Duration::from_secs(1));
+    /// assert_eq!(client.with_config(short)?.config().lease(), Duration::from_secs(1));
+    /// # Ok::<(), distlock::ConfigError>(())
     /// ```
-    #[must_use]
-    pub fn with_config(&self, config: LockConfig) -> LockClient {
-        LockClient {
+    pub fn with_config(&self, config: LockConfig) -> Result<LockClient, ConfigError> {
+        self.inner.backend.check_config(&config)?;
+        Ok(LockClient {
             inner: Arc::new(ClientInner {
                 backend: self.inner.backend.clone(),
                 config: Arc::new(config),
                 prefix: self.inner.prefix.clone(),
                 watchdog: self.inner.watchdog.clone(),
             }),
-        }
+        })
     }
 
     /// An exclusive lock on `name`.
@@ -205,6 +211,30 @@ impl LockClient {
         }
     }
 
+    /// Waits, at most `within`, until this client's background work is done: the releases of
+    /// dropped guards and the cleanups of acquisitions that failed ambiguously or were
+    /// dropped in flight. Returns whether it all finished. Call it before a process exits: the
+    /// runtime going away cancels that work, and the locks it would have freed then stay held
+    /// until their leases end.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// let client = distlock::LockClient::memory();
+    /// drop(client.lock("job")?.try_acquire().await?); // released in the background
+    /// assert!(client.settle(std::time::Duration::from_secs(1)).await);
+    /// assert!(client.lock("job")?.try_acquire().await.is_ok());
+    /// # Ok(()) }
+    /// ```
+    pub async fn settle(&self, within: Duration) -> bool {
+        self.inner
+            .backend
+            .waiters()
+            .background()
+            .settle(within)
+            .await
+    }
+
     pub(crate) fn watchdog(&self) -> &Watchdog {
         &self.inner.watchdog
     }
@@ -226,7 +256,7 @@ impl LockClient {
 /// let client = distlock::LockClient::builder()
 ///     .config(distlock::LockConfig::builder().lease(Duration::from_secs(30)).build()?)
 ///     .notifications(redis)
-///     .redis(conn);
+///     .redis(conn)?;
 /// assert_eq!(client.config().lease(), Duration::from_secs(30));
 /// # Ok(()) }
 /// ```
@@ -314,7 +344,9 @@ impl LockClientBuilder {
     /// would go to an arbitrary node) or Redlock (which does not rely on replicas).
     ///
     /// # Errors
-    /// If `replicas` is zero or `timeout` is not below the command timeout.
+    /// If `replicas` or `timeout` is zero. The timeout must also be below the command timeout
+    /// of every configuration the client's locks run with: checked when the client is built,
+    /// and by every `with_config`.
     ///
     /// ```
     /// let b = distlock::LockClient::builder()
@@ -325,13 +357,10 @@ impl LockClientBuilder {
         if replicas == 0 {
             return Err(ConfigError::invalid("replicas", "must be at least 1"));
         }
-        if timeout.is_zero() || timeout >= self.config.op_timeout() {
+        if timeout.is_zero() {
             return Err(ConfigError::invalid(
                 "replicas",
-                format!(
-                    "the WAIT timeout {timeout:?} must be above zero and below the command timeout {:?}",
-                    self.config.op_timeout()
-                ),
+                "the WAIT timeout must be above zero",
             ));
         }
         self.replicas = Some((replicas, timeout));
@@ -360,7 +389,7 @@ impl LockClientBuilder {
     ) -> Result<LockClient, ConfigError> {
         let conn = crate::sentinel::SentinelConnection::new(sentinels, service)?;
         self.notifications.push(Source::Sentinel(conn.sentinel()));
-        Ok(self.redis_described(conn, format!("redis sentinel ({service})")))
+        self.redis_described(conn, format!("redis sentinel ({service})"))
     }
 
     fn waiters(&mut self) -> Arc<Waiters> {
@@ -374,15 +403,16 @@ impl LockClientBuilder {
         }
     }
 
-    fn build(self, backend: Arc<dyn Backend>) -> LockClient {
-        LockClient {
+    fn build(self, backend: Arc<dyn Backend>) -> Result<LockClient, ConfigError> {
+        backend.check_config(&self.config)?;
+        Ok(LockClient {
             inner: Arc::new(ClientInner {
                 backend,
                 config: Arc::new(self.config),
                 prefix: self.prefix,
                 watchdog: Watchdog::default(),
             }),
-        }
+        })
     }
 
     /// Redlock across independent masters (see the [`redlock` docs](crate#redlock)): one
@@ -431,14 +461,6 @@ impl LockClientBuilder {
                 .max(Duration::from_millis(50))
                 .min(op_timeout / 3)
         });
-        if node_timeout.is_zero() || node_timeout * 3 > op_timeout {
-            return Err(ConfigError::invalid(
-                "node_timeout",
-                format!(
-                    "{node_timeout:?} must be above zero and at most a third of the command timeout {op_timeout:?} (an acquisition is up to three rounds)"
-                ),
-            ));
-        }
         let waiters = self.waiters();
         let describe = format!(
             "redlock ({} nodes, quorum {}: {})",
@@ -452,7 +474,7 @@ impl LockClientBuilder {
             .map(|(conn, name)| RedisBackend::new(conn, Waiters::local(), name))
             .collect();
         let backend = RedlockBackend::new(nodes, node_timeout, waiters, describe);
-        Ok(self.build(Arc::new(backend)))
+        self.build(Arc::new(backend))
     }
 
     /// Redlock on the masters at `urls`: a lazily connected `ConnectionManager` and a
@@ -519,11 +541,15 @@ impl LockClientBuilder {
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let redis = redis::Client::open("redis://127.0.0.1/")?;
     /// let conn = redis.get_connection_manager_lazy(Default::default())?;
-    /// let client = distlock::LockClient::builder().redis(conn);
+    /// let client = distlock::LockClient::builder().redis(conn)?;
     /// assert_eq!(client.store(), "redis");
     /// # Ok(()) }
     /// ```
-    pub fn redis<C>(self, conn: C) -> LockClient
+    ///
+    /// # Errors
+    /// If the [replica check](Self::replicas) does not fit in the configuration's command
+    /// timeout.
+    pub fn redis<C>(self, conn: C) -> Result<LockClient, ConfigError>
     where
         C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
     {
@@ -537,7 +563,11 @@ impl LockClientBuilder {
         self.redis_described(conn, describe)
     }
 
-    fn redis_described<C: Conn>(mut self, conn: C, describe: String) -> LockClient {
+    fn redis_described<C: Conn>(
+        mut self,
+        conn: C,
+        describe: String,
+    ) -> Result<LockClient, ConfigError> {
         let waiters = self.waiters();
         let backend = RedisBackend::new(conn, waiters, describe).with_replicas(self.replicas);
         self.build(Arc::new(backend))
@@ -559,7 +589,7 @@ impl LockClientBuilder {
     pub fn connect(self, url: &str) -> Result<LockClient, ConfigError> {
         let (client, conn) = self.manager(url)?;
         let describe = format!("redis ({})", client.get_connection_info().addr());
-        Ok(self.notifications(client).redis_described(conn, describe))
+        self.notifications(client).redis_described(conn, describe)
     }
 
     /// Locks in this process's memory, bounded by `limits`.
@@ -568,7 +598,14 @@ impl LockClientBuilder {
     /// let client = distlock::LockClient::builder().memory(distlock::MemoryLimits::default());
     /// ```
     pub fn memory(self, limits: MemoryLimits) -> LockClient {
-        self.build(Arc::new(MemoryBackend::new(limits)))
+        LockClient {
+            inner: Arc::new(ClientInner {
+                backend: Arc::new(MemoryBackend::new(limits)),
+                config: Arc::new(self.config),
+                prefix: self.prefix,
+                watchdog: Watchdog::default(),
+            }),
+        }
     }
 }
 
@@ -586,6 +623,118 @@ mod tests {
             .connect_redlock(&["redis://127.0.0.1:1/", "redis://127.0.0.1:2/"])
             .expect_err("no runtime");
         assert!(err.to_string().contains("Tokio runtime"), "{err}");
+    }
+
+    /// A connection that never answers, made without a runtime.
+    #[derive(Clone)]
+    struct Nowhere;
+
+    impl redis::aio::ConnectionLike for Nowhere {
+        fn req_packed_command<'a>(
+            &'a mut self,
+            _: &'a redis::Cmd,
+        ) -> redis::RedisFuture<'a, redis::Value> {
+            Box::pin(std::future::pending())
+        }
+        fn req_packed_commands<'a>(
+            &'a mut self,
+            _: &'a redis::Pipeline,
+            _: usize,
+            _: usize,
+        ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+            Box::pin(std::future::pending())
+        }
+        fn get_db(&self) -> i64 {
+            0
+        }
+    }
+
+    #[test]
+    fn notifications_and_sentinel_outside_a_runtime_do_not_panic() {
+        let redis = redis::Client::open("redis://127.0.0.1:1/").unwrap();
+        let client = LockClient::builder()
+            .notifications(redis)
+            .redis(Nowhere)
+            .expect("built without a runtime");
+        assert_eq!(client.store(), "redis (127.0.0.1:1)");
+        let sentinel = LockClient::builder()
+            .sentinel(&["redis://127.0.0.1:1/"], "m")
+            .expect("built without a runtime");
+        assert!(sentinel.store().contains("sentinel"));
+    }
+
+    /// The replica check and the node timeout must fit every configuration a lock runs with,
+    /// in whatever order the builder was called, and through every `with_config`.
+    #[tokio::test]
+    async fn replica_and_node_timeouts_are_checked_against_every_config() {
+        use std::time::Duration;
+        let short = crate::LockConfig::builder()
+            .op_timeout(Duration::from_millis(300))
+            .build()
+            .unwrap();
+        let err = LockClient::builder()
+            .replicas(1, Duration::from_millis(500))
+            .unwrap()
+            .config(short.clone())
+            .redis(Nowhere)
+            .expect_err("WAIT 500 ms in a 300 ms command");
+        assert!(err.to_string().contains("replicas"), "{err}");
+        let client = LockClient::builder()
+            .replicas(1, Duration::from_millis(500))
+            .unwrap()
+            .redis(Nowhere)
+            .unwrap();
+        assert!(client.with_config(short.clone()).is_err());
+        assert!(
+            client
+                .lock("k")
+                .unwrap()
+                .with_config(short.clone())
+                .is_err()
+        );
+        assert!(
+            client
+                .once("k")
+                .unwrap()
+                .with_config(short.clone())
+                .is_err()
+        );
+        let err = LockClient::builder()
+            .node_timeout(Duration::from_millis(200))
+            .config(short.clone())
+            .redlock(vec![Nowhere, Nowhere, Nowhere])
+            .expect_err("three 200 ms rounds in a 300 ms command");
+        assert!(err.to_string().contains("node_timeout"), "{err}");
+        let redlock = LockClient::builder()
+            .node_timeout(Duration::from_millis(200))
+            .redlock(vec![Nowhere, Nowhere, Nowhere])
+            .unwrap();
+        assert!(redlock.lock("k").unwrap().with_config(short).is_err());
+    }
+
+    #[tokio::test]
+    async fn the_longest_waits_and_caps_saturate() {
+        use std::time::Duration;
+        let config = crate::LockConfig::builder()
+            .max_hold(Duration::MAX)
+            .build()
+            .unwrap();
+        let client = LockClient::memory().with_config(config).unwrap();
+        let lock = client.lock("k").unwrap();
+        let guard = lock.acquire(Duration::MAX).await.unwrap();
+        assert!(guard.is_held());
+        let once = client.once("o").unwrap();
+        assert!(matches!(
+            once.begin_wait("t", Duration::MAX).await.unwrap(),
+            crate::Begin::Acquired(_)
+        ));
+        assert!(once.retention(Duration::MAX).is_err());
+        assert!(
+            crate::LockConfig::builder()
+                .fence_ttl(Duration::MAX)
+                .build()
+                .is_err()
+        );
     }
 
     #[tokio::test]

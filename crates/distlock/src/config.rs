@@ -70,6 +70,7 @@ pub struct LockConfig {
     fence_ttl: Option<Duration>,
     watchdog: bool,
     fencing: bool,
+    polling: bool,
     origin: LockConfigBuilder,
 }
 
@@ -83,7 +84,8 @@ impl Default for LockConfig {
 
 impl LockConfig {
     /// Starts a builder with the defaults: a 10 s lease renewed every lease/3, a drift allowance of
-    /// 1% of the lease + 2 ms, a 2 s (at most lease/3) per-command timeout, retry backoff from 10 ms
+    /// 1% of the lease + 2 ms, a 2 s per-command timeout (at most a third of
+    /// `lease - drift - renew_every`, so that a renewal that times out can be retried in time), retry backoff from 10 ms
     /// to 500 ms with full jitter, no hold cap, fence counters kept forever, watchdog on.
     ///
     /// ```
@@ -130,7 +132,7 @@ impl LockConfig {
     ///
     /// ```
     /// # let c = distlock::LockConfig::default();
-    /// assert!(c.op_timeout() <= c.lease() / 3);
+    /// assert!(c.renew_every() + c.op_timeout() * 2 < c.lease() - c.drift());
     /// ```
     pub fn op_timeout(&self) -> Duration {
         self.op_timeout
@@ -186,6 +188,17 @@ impl LockConfig {
         self.fencing
     }
 
+    /// Whether waiting polls the store as a fallback behind release notifications (default
+    /// true).
+    ///
+    /// ```
+    /// # let c = distlock::LockConfig::default();
+    /// assert!(c.polling());
+    /// ```
+    pub fn polling(&self) -> bool {
+        self.polling
+    }
+
     /// Whether a watchdog renews the lease while the guard lives.
     ///
     /// ```
@@ -235,6 +248,7 @@ pub struct LockConfigBuilder {
     fence_ttl: Option<Duration>,
     watchdog: bool,
     fencing: bool,
+    polling: bool,
 }
 
 impl Default for LockConfigBuilder {
@@ -250,6 +264,7 @@ impl Default for LockConfigBuilder {
             fence_ttl: None,
             watchdog: true,
             fencing: true,
+            polling: true,
         }
     }
 }
@@ -258,8 +273,15 @@ impl Default for LockConfigBuilder {
 /// a drift allowance and renewals.
 const MIN_LEASE: Duration = Duration::from_millis(20);
 
+/// Smallest drift allowance: Redis expiry has millisecond resolution.
+const MIN_DRIFT: Duration = Duration::from_millis(1);
+
+/// Longest lease, fence expiry or record retention accepted: about 100 years, far below what
+/// Redis (milliseconds in an `i64`) and `Instant` can hold.
+pub(crate) const MAX_TTL: Duration = Duration::from_secs(100 * 365 * 86_400);
+
 impl LockConfigBuilder {
-    /// Sets the lease (default 10 s).
+    /// Sets the lease (default 10 s): a whole number of milliseconds, as Redis keeps it.
     ///
     /// ```
     /// # use std::time::Duration;
@@ -284,7 +306,8 @@ impl LockConfigBuilder {
         self
     }
 
-    /// Sets the clock drift allowance (default 1% of the lease + 2 ms).
+    /// Sets the clock drift allowance (default 1% of the lease + 2 ms); at least 1 ms, since
+    /// Redis counts expiries in whole milliseconds.
     ///
     /// ```
     /// # use std::time::Duration;
@@ -296,7 +319,9 @@ impl LockConfigBuilder {
         self
     }
 
-    /// Sets the per-command timeout (default 2 s, at most lease/3).
+    /// Sets the per-command timeout (default 2 s, at most a third of `lease - drift -
+    /// renew_every`). It must be below half of that window: a renewal that times out is retried,
+    /// and the retry must be confirmed before the lease ends.
     ///
     /// ```
     /// # use std::time::Duration;
@@ -381,6 +406,21 @@ impl LockConfigBuilder {
         self
     }
 
+    /// Turns the polling fallback of waiting off (default on). A waiter then wakes only when a
+    /// release is announced (or when the holder's lease, as last seen, ends), never to look
+    /// again on its own. Meant for tests that prove announcements arrive, and for stores where
+    /// every release is announced and polling load matters; a lost announcement then costs a
+    /// waiter the rest of the holder's lease.
+    ///
+    /// ```
+    /// let c = distlock::LockConfig::builder().polling(false).build().unwrap();
+    /// assert!(!c.polling());
+    /// ```
+    pub fn polling(mut self, on: bool) -> Self {
+        self.polling = on;
+        self
+    }
+
     /// Checks every field against the others and returns the configuration, or the reason it
     /// cannot work.
     ///
@@ -401,8 +441,19 @@ impl LockConfigBuilder {
                 format!("{lease:?} is below the minimum of {MIN_LEASE:?}"),
             ));
         }
-        if lease.as_millis() > i64::MAX as u128 / 2 {
-            return Err(ConfigError::invalid("lease", "too large for Redis"));
+        if lease > MAX_TTL {
+            return Err(ConfigError::invalid(
+                "lease",
+                format!("{lease:?} is above the longest expiry accepted ({MAX_TTL:?})"),
+            ));
+        }
+        if !lease.subsec_nanos().is_multiple_of(1_000_000) {
+            return Err(ConfigError::invalid(
+                "lease",
+                format!(
+                    "{lease:?} is not a whole number of milliseconds: Redis keeps expiries in milliseconds, and a truncated lease would end before the holder believes"
+                ),
+            ));
         }
         let renew_every = self.renew_every.unwrap_or(lease / 3);
         if renew_every.is_zero() || renew_every >= lease / 2 {
@@ -415,6 +466,14 @@ impl LockConfigBuilder {
             ));
         }
         let drift = self.drift.unwrap_or(lease / 100 + Duration::from_millis(2));
+        if drift < MIN_DRIFT {
+            return Err(ConfigError::invalid(
+                "drift",
+                format!(
+                    "{drift:?} is below {MIN_DRIFT:?}: Redis counts expiries in whole milliseconds from its own clock, so a key can expire up to 1 ms before sent + lease"
+                ),
+            ));
+        }
         if drift >= lease - renew_every {
             return Err(ConfigError::invalid(
                 "drift",
@@ -424,15 +483,18 @@ impl LockConfigBuilder {
                 ),
             ));
         }
+        // A renewal sent at `renew_every` can take `op_timeout` to fail; its retry needs as much
+        // again, and both must fit before the lease (minus drift) runs out.
+        let renewal_window = lease - drift - renew_every;
         let op_timeout = self
             .op_timeout
-            .unwrap_or_else(|| Duration::from_secs(2).min(lease / 3));
-        if op_timeout.is_zero() || op_timeout >= lease - drift {
+            .unwrap_or_else(|| Duration::from_secs(2).min(renewal_window / 3));
+        if op_timeout.is_zero() || op_timeout * 2 >= renewal_window {
             return Err(ConfigError::invalid(
                 "op_timeout",
                 format!(
-                    "{op_timeout:?} must be above zero and below lease - drift ({:?}); a slower reply leaves no valid lease",
-                    lease - drift
+                    "{op_timeout:?} must be above zero and below half of lease - drift - renew_every ({:?}): a renewal that times out must leave time for a retry before the lease ends",
+                    renewal_window
                 ),
             ));
         }
@@ -461,6 +523,16 @@ impl LockConfigBuilder {
             ));
         }
         if let Some(ttl) = self.fence_ttl
+            && ttl > MAX_TTL
+        {
+            return Err(ConfigError::invalid(
+                "fence_ttl",
+                format!(
+                    "{ttl:?} is above the longest expiry accepted ({MAX_TTL:?}); leave it unset to keep counters forever"
+                ),
+            ));
+        }
+        if let Some(ttl) = self.fence_ttl
             && ttl < lease
         {
             return Err(ConfigError::invalid(
@@ -482,6 +554,7 @@ impl LockConfigBuilder {
             fence_ttl: self.fence_ttl,
             watchdog: self.watchdog,
             fencing: self.fencing,
+            polling: self.polling,
         })
     }
 }
@@ -499,7 +572,9 @@ mod tests {
         let c = LockConfig::builder().lease(ms(900)).build().unwrap();
         assert_eq!(c.renew_every(), ms(300));
         assert_eq!(c.drift(), ms(11));
-        assert_eq!(c.op_timeout(), ms(300));
+        assert_eq!(c.op_timeout(), ms(589) / 3);
+        // A renewal and one retry, each timing out, fit before the lease ends.
+        assert!(c.renew_every() + c.op_timeout() * 2 < c.lease() - c.drift());
     }
 
     #[test]
@@ -533,6 +608,24 @@ mod tests {
                 LockConfig::builder().lease(ms(1000)).fence_ttl(ms(999)),
                 "fence_ttl",
             ),
+            (LockConfig::builder().fence_ttl(Duration::MAX), "fence_ttl"),
+            (LockConfig::builder().lease(Duration::MAX), "lease"),
+            // Redis truncates to milliseconds: the lease set would end before the one counted.
+            (
+                LockConfig::builder().lease(Duration::from_micros(100_500)),
+                "lease",
+            ),
+            (LockConfig::builder().drift(Duration::ZERO), "drift"),
+            (
+                LockConfig::builder().drift(Duration::from_micros(500)),
+                "drift",
+            ),
+            // A renewal at 333 ms that times out at 663 ms, and its retry timing out too,
+            // would end after the lease (988 ms).
+            (
+                LockConfig::builder().lease(ms(1000)).op_timeout(ms(330)),
+                "op_timeout",
+            ),
         ];
         for (builder, field) in cases {
             match builder.clone().build() {
@@ -553,6 +646,16 @@ mod tests {
             .build()
             .unwrap();
         assert_eq!(c.renew_every(), ms(1000));
-        assert_eq!(c.op_timeout(), ms(1000));
+        assert_eq!(c.op_timeout(), (ms(3000) - ms(32) - ms(1000)) / 3);
+    }
+
+    #[test]
+    fn huge_values_are_refused_or_saturate_never_panic() {
+        let c = LockConfig::builder()
+            .max_hold(Duration::MAX)
+            .retry(ms(10), Duration::MAX)
+            .build()
+            .unwrap();
+        assert_eq!(c.max_hold(), Some(Duration::MAX));
     }
 }

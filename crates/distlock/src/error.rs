@@ -90,8 +90,12 @@ pub enum LockError {
         /// Replicas required.
         wanted: usize,
     },
-    /// The in-memory store is at its configured capacity with locks that are all held.
-    #[error("in-memory lock store is full ({entries} entries); lock {name:?} was not taken")]
+    /// The in-memory store is at its configured capacity and nothing in it can be evicted:
+    /// every entry is a held lock (or a record is larger than the whole byte budget). Records
+    /// kept for their retention and expired entries are evicted before this happens.
+    #[error(
+        "in-memory lock store is full ({entries} entries, none evictable: held locks); lock {name:?} was not taken"
+    )]
     Capacity {
         /// The lock name.
         name: String,
@@ -164,6 +168,10 @@ impl LockError {
             _ => true,
         };
         if transient {
+            // Only a command that may have reached the server can have taken effect: a refused
+            // connection never sent it, and an error reply means the server did not run it.
+            let answered = matches!(source.kind(), ErrorKind::Server(_) | ErrorKind::Extension);
+            let ambiguous = ambiguous && !answered && !source.is_connection_refusal();
             LockError::Unavailable {
                 name: name.to_owned(),
                 ambiguous,
@@ -193,6 +201,21 @@ impl LockError {
         LockError::Protocol {
             name: name.to_owned(),
             detail: detail.into(),
+        }
+    }
+
+    /// The error of a cleanup that could not be sent: an ambiguous `Unavailable`, so that the
+    /// caller's cleanup retries it (whatever the error was, the lock may be held).
+    pub(crate) fn into_ambiguous_unavailable(self) -> Self {
+        match self {
+            LockError::Unavailable { name, source, .. } | LockError::Redis { name, source } => {
+                LockError::Unavailable {
+                    name,
+                    ambiguous: true,
+                    source,
+                }
+            }
+            other => other,
         }
     }
 
@@ -257,6 +280,24 @@ mod tests {
             LockError::from_redis("k", false, wrongtype),
             LockError::Redis { .. }
         ));
+    }
+
+    #[test]
+    fn only_a_command_that_may_have_run_is_ambiguous() {
+        let refused =
+            redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        let reset =
+            redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        let loading = redis::RedisError::from((
+            redis::ErrorKind::Server(redis::ServerErrorKind::BusyLoading),
+            "LOADING",
+        ));
+        for (error, ambiguous) in [(refused, false), (reset, true), (loading, false)] {
+            match LockError::from_redis("k", true, error) {
+                LockError::Unavailable { ambiguous: a, .. } => assert_eq!(a, ambiguous),
+                other => panic!("{other:?}"),
+            }
+        }
     }
 
     #[test]

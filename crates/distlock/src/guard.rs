@@ -216,11 +216,13 @@ impl Drop for LockGuard {
         // Never block here: release in a task (a compare-and-delete with a deadline). Without a
         // runtime the lease is the backstop.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(watchdog::release(
-                self.backend.clone(),
-                self.op.clone(),
-                self.config.clone(),
-            ));
+            let task = self.backend.waiters().task();
+            let release =
+                watchdog::release(self.backend.clone(), self.op.clone(), self.config.clone());
+            runtime.spawn(async move {
+                release.await;
+                drop(task);
+            });
         }
     }
 }

@@ -9,7 +9,7 @@ use tokio::sync::Notify;
 use crate::{LockError, LockName, LossReason};
 
 /// Instants are stored as nanoseconds after this one, so that they fit an atomic.
-static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
+static EPOCH: LazyLock<Instant> = LazyLock::new(crate::clock::now);
 
 fn to_nanos(at: Instant) -> u64 {
     u64::try_from(at.saturating_duration_since(*EPOCH).as_nanos()).unwrap_or(u64::MAX)
@@ -189,7 +189,7 @@ impl LeaseWatch {
     /// # Ok(()) }
     /// ```
     pub fn is_held(&self) -> bool {
-        self.shared.loss().is_none() && Instant::now() < self.shared.valid_until()
+        self.shared.loss().is_none() && crate::clock::now() < self.shared.valid_until()
     }
 
     /// How much longer the lease is proven held, or `None` if it is not.
@@ -207,7 +207,7 @@ impl LeaseWatch {
         }
         self.shared
             .valid_until()
-            .checked_duration_since(Instant::now())
+            .checked_duration_since(crate::clock::now())
             .filter(|d| !d.is_zero())
     }
 

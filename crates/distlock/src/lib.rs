@@ -35,7 +35,7 @@
 //! | the holder does not know it lost the lock | [`LeaseWatch::lost`] fires at `sent + lease - drift` of the last confirmed acquire/renewal, measured with `Instant` from when it was *sent*, or at once when a renewal finds another owner |
 //! | a paused holder writes after its lease ended (Kleppmann) | [`LockGuard::fence`]: a counter in the lock's hash slot, strictly increasing across holders; have the resource reject lower tokens |
 //! | polling storms while waiting | waiters are woken by a release announcement over one shared pub/sub connection per client, one waiter per release, with jittered exponential backoff (capped by the holder's remaining lease) as the fallback |
-//! | a timeout during acquire leaves a lock nobody knows about | the failed attempt's token is used to delete it in the background (retried until its lease would have ended), and the error says the outcome was ambiguous |
+//! | a timeout during acquire leaves a lock nobody knows about | the failed attempt's token is used to delete it in the background (retried until its lease would have ended), and the error says the outcome was ambiguous; the same when the caller drops the acquisition future while its command is in flight |
 //! | release on unwind / cancellation (004 returns early without unlocking) | dropping the guard releases: a spawned compare-and-delete with a deadline (never `block_on` in `Drop`); the lease is the backstop |
 //! | reentrancy (001, 002) | [`LockClient::reentrant`]: a hash lock with one field per hold, so a release removes exactly one hold |
 //! | Redis Cluster | all keys of one lock share the hash tag `{name}`; every script touches one slot |
@@ -114,10 +114,62 @@
 //!   with AOF and `appendfsync always` (the test suite shows both keeping the lock safe).
 //! * A **quorum of masters unreachable** is [`LockError::NoQuorum`] (unavailable), distinct from
 //!   [`LockError::Held`].
+//! * **Run-once records are quorum decisions**: [`OnceGuard::complete`] counts only when a
+//!   quorum stored the record, and [`Once::begin`] replays a record only when a quorum of masters
+//!   hold that same record. A holder whose lease ran out on most masters may still store its
+//!   record on a few (it is told [`LockError::LeaseLost`]); that minority record is never
+//!   replayed, and those masters simply do not count for later acquisitions.
+//! * **Start-up**: [`LockClient::prepare`] reaches every master at once and is ready when a
+//!   quorum is; a frozen master joins when it answers (it connects lazily and loads the scripts
+//!   on first use), so it never stalls a fresh client.
+//! * Run-once and reentrant locks always fence, whatever [`LockConfigBuilder::fencing`] says.
+//!
+//! # Design decisions
+//!
+//! * **Reentrant holds share one key and never shorten it.** Every hold of a reentrant owner is
+//!   promised its own lease, and a renewal (including one capped by
+//!   [`max_hold`](LockConfigBuilder::max_hold)) only ever raises the key's expiry: the key lives
+//!   at least as long as any live hold was promised, possibly until the latest promise made to
+//!   a hold already released (never longer). The in-memory store does the same.
+//! * **Validity is counted from when a command was sent**, never from its reply: a late reply
+//!   shortens the lease the holder believes in, it never lengthens it past the key's expiry.
+//! * **Cancellation is the normal case.** An acquisition attempt is guarded while its command is
+//!   in flight: if the caller drops the future (a timeout around it, a client that went away, a
+//!   `select!`), the same token-based cleanup runs as after an ambiguous error, and the lock the
+//!   command may have taken is deleted at once rather than held for a lease. This covers
+//!   [`Lock::acquire`], [`Once::begin`] and the Redlock fan-out. Such cleanups (and the releases
+//!   of dropped guards) run in background tasks; [`LockClient::settle`] waits for them before a
+//!   process exits.
+//! * **Ambiguous means "may have run".** Only a command that may have reached the server is
+//!   ambiguous (a timeout, a connection dropped after sending): a refused connection or an error
+//!   reply is not, and spawns no cleanup.
+//! * **The replica check waits for its own write.** With [`LockClientBuilder::replicas`], `WAIT`
+//!   is sent in one pipeline right behind the script, so it runs on the connection that wrote:
+//!   sent separately after a reconnect or a Sentinel switch it would count nothing and pass at
+//!   once. A failed or short check after an acquisition releases the lock (or, if the release
+//!   cannot be sent, reports an ambiguous error so the cleanup retries it).
+//! * **Announcements never turn a write into an error.** Scripts publish release announcements
+//!   with `redis.pcall`: an ACL user without channel rights (Redis 7's `resetchannels`) releases
+//!   and completes normally. The notification task meets the same refusal on `SUBSCRIBE`: it
+//!   warns once and stops trying, and waiters poll. Reconnections back off; nothing loops hot.
+//!   [`LockConfigBuilder::polling`] turns the polling fallback off (tests use it to prove the
+//!   announcements arrive).
+//! * **In-memory fencing** uses one counter for the whole store ([`MemoryLimits`]): no counter per
+//!   name, so ever-new names do not fill the store, and no eviction or expiry can make a name's
+//!   fence go back.
+//! * **Configurations that cannot work are refused when built**: a lease that is not a whole
+//!   number of milliseconds (Redis would keep a shorter one), a drift below 1 ms (Redis counts
+//!   expiries in whole milliseconds of its own clock), a command timeout that leaves no time to
+//!   retry a renewal before the lease ends, a replica check or Redlock node timeout that does not
+//!   fit in the command timeout of the client's or a lock's configuration (checked by every
+//!   `with_config`, which returns a `Result`), values too large for Redis or `Instant`. Waits
+//!   of `Duration::MAX` and an unbounded hold cap saturate; building a client never needs a
+//!   Tokio runtime (background tasks start on first use).
 
 mod backend;
 mod backoff;
 mod client;
+mod clock;
 mod config;
 mod error;
 mod guard;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::backend::{Attempt, Backend, Mode, Op};
+use crate::clock;
 use crate::{Backoff, LockClient, LockConfig, LockError, LockGuard, LockName, OwnerId, Token};
 
 /// A named lock. Cheap to clone; make one per name and acquire it as often as needed.
@@ -41,18 +42,21 @@ impl Lock {
 
     /// The same lock with other timing.
     ///
+    /// # Errors
+    /// If the store cannot honour `config` (see [`LockClient::with_config`]).
+    ///
     /// ```
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// use std::time::Duration;
     /// let short = distlock::LockConfig::builder().lease(Duration::from_secs(2)).build()?;
-    /// let lock = distlock::LockClient::memory().lock("job")?.with_config(short);
+    /// let lock = distlock::LockClient::memory().lock("job")?.with_config(short)?;
     /// assert_eq!(lock.config().lease(), Duration::from_secs(2));
     /// # Ok(()) }
     /// ```
-    #[must_use]
-    pub fn with_config(mut self, config: LockConfig) -> Self {
+    pub fn with_config(mut self, config: LockConfig) -> Result<Self, crate::ConfigError> {
+        self.client.backend().check_config(&config)?;
         self.config = Arc::new(config);
-        self
+        Ok(self)
     }
 
     /// The lock name and its keys.
@@ -137,11 +141,12 @@ impl Lock {
     /// # Ok(()) }
     /// ```
     pub async fn acquire(&self, wait: Duration) -> Result<LockGuard, LockError> {
-        self.acquire_with(Some(Instant::now() + wait)).await
+        self.acquire_with(Some(clock::after(clock::now(), wait)))
+            .await
     }
 
     async fn acquire_with(&self, deadline: Option<Instant>) -> Result<LockGuard, LockError> {
-        let started = Instant::now();
+        let started = clock::now();
         let op = self.op();
         let backend = self.client.backend();
         let (attempt, sent) = acquire_until(backend, &op, &self.config, deadline).await?;
@@ -173,15 +178,27 @@ impl Lock {
 }
 
 /// One acquisition attempt with a timeout. Returns the attempt and when it was sent. If the
-/// attempt may have succeeded without our knowing (timeout, broken connection), a release with
-/// the attempt's token is sent in the background and the error says so.
+/// attempt may have succeeded without our knowing (timeout, broken connection, or the caller
+/// dropping this future while the command was in flight), a release with the attempt's token is
+/// sent in the background, and an error says so.
 pub(crate) async fn attempt(
     backend: &Arc<dyn Backend>,
     op: &Op,
     config: &LockConfig,
 ) -> Result<(Attempt, Instant), LockError> {
-    let sent = Instant::now();
-    let error = match tokio::time::timeout(config.op_timeout(), backend.acquire(op)).await {
+    let sent = clock::now();
+    // Armed while the command is in flight: a caller that gives up (drops this future) after the
+    // command was sent may have taken the lock, and must not leave it held for a whole lease.
+    let mut in_flight = CleanupOnDrop {
+        backend,
+        op,
+        config,
+        sent,
+        armed: true,
+    };
+    let outcome = tokio::time::timeout(config.op_timeout(), backend.acquire(op)).await;
+    in_flight.armed = false;
+    let error = match outcome {
         Ok(Ok(attempt)) => return Ok((attempt, sent)),
         Ok(Err(error)) => error,
         Err(_) => LockError::timeout(op.name.as_str(), true, config.op_timeout()),
@@ -195,11 +212,43 @@ pub(crate) async fn attempt(
     Err(error)
 }
 
+/// Sends the ambiguity cleanup of an attempt whose future was dropped mid-flight.
+struct CleanupOnDrop<'a> {
+    backend: &'a Arc<dyn Backend>,
+    op: &'a Op,
+    config: &'a LockConfig,
+    sent: Instant,
+    armed: bool,
+}
+
+impl Drop for CleanupOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::debug!(
+                lock = self.op.name.as_str(),
+                "acquisition dropped in flight; cleaning up"
+            );
+            spawn_cleanup(
+                self.backend.clone(),
+                self.op.clone(),
+                self.config.clone(),
+                self.sent,
+            );
+        }
+    }
+}
+
 /// Releases a lock an ambiguous attempt may have taken, retrying with backoff until the lease
-/// it would have had is over (after that, expiry did the job).
+/// it would have had is over (after that, expiry did the job). Without a runtime (the caller's
+/// runtime is shutting down) the lease is the backstop.
 fn spawn_cleanup(backend: Arc<dyn Backend>, op: Op, config: LockConfig, sent: Instant) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
     let until = sent + op.lease;
-    tokio::spawn(async move {
+    let task = backend.waiters().task();
+    runtime.spawn(async move {
+        let _task = task;
         let mut backoff = Backoff::new(config.retry_base(), config.retry_max());
         loop {
             match tokio::time::timeout(config.op_timeout(), backend.release(&op)).await {
@@ -211,7 +260,7 @@ fn spawn_cleanup(backend: Arc<dyn Backend>, op: Op, config: LockConfig, sent: In
                     );
                     return;
                 }
-                _ if Instant::now() >= until => return,
+                _ if clock::now() >= until => return,
                 _ => tokio::time::sleep(backoff.next_delay()).await,
             }
         }
@@ -237,7 +286,7 @@ pub(crate) async fn acquire_until(
         let registered = backend.waiters().register(op.name.channel());
         // Releases in this client wake the next waiter directly, so wait for that (with the
         // longest polling delay as the fallback).
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = deadline.saturating_duration_since(clock::now());
         let _ = tokio::time::timeout(config.retry_max().min(left), registered.notified()).await;
         waiter = Some(registered);
     }
@@ -246,7 +295,7 @@ pub(crate) async fn acquire_until(
         let Attempt::Held { ttl, .. } = &last else {
             return Ok((last, sent));
         };
-        let now = Instant::now();
+        let now = clock::now();
         if now >= deadline {
             return Ok((last, sent));
         }
@@ -260,7 +309,11 @@ pub(crate) async fn acquire_until(
                 waiter = Some(registered);
             }
             Some(registered) => {
-                let mut delay = backoff.next_delay().min(left);
+                let mut delay = if config.polling() {
+                    backoff.next_delay().min(left)
+                } else {
+                    left
+                };
                 if let Some(ttl) = ttl {
                     // Wake when the holder's lease ends: a crashed holder sends no release.
                     delay = delay.min(*ttl + Duration::from_millis(1));

@@ -80,6 +80,15 @@ impl Once {
     /// # Ok::<(), distlock::ConfigError>(())
     /// ```
     pub fn retention(mut self, retention: Duration) -> Result<Self, ConfigError> {
+        if retention > crate::config::MAX_TTL {
+            return Err(ConfigError::invalid(
+                "retention",
+                format!(
+                    "{retention:?} is above the longest expiry accepted ({:?})",
+                    crate::config::MAX_TTL
+                ),
+            ));
+        }
         if retention < self.config.lease() {
             return Err(ConfigError::invalid(
                 "retention",
@@ -113,6 +122,7 @@ impl Once {
     /// # Ok(()) }
     /// ```
     pub fn with_config(mut self, config: LockConfig) -> Result<Self, ConfigError> {
+        self.client.backend().check_config(&config)?;
         self.config = Arc::new(config);
         let retention = self.retention;
         self.retention(retention)
@@ -175,8 +185,11 @@ impl Once {
         tag: impl Into<Bytes>,
         wait: Duration,
     ) -> Result<Begin, LockError> {
-        self.begin_with(tag.into(), Some(Instant::now() + wait))
-            .await
+        self.begin_with(
+            tag.into(),
+            Some(crate::clock::after(crate::clock::now(), wait)),
+        )
+        .await
     }
 
     async fn begin_with(&self, tag: Bytes, deadline: Option<Instant>) -> Result<Begin, LockError> {

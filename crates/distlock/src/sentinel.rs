@@ -40,7 +40,7 @@ use crate::ConfigError;
 ///     &["redis://127.0.0.1:26379/", "redis://127.0.0.1:26380/"],
 ///     "mymaster",
 /// )?;
-/// let client = distlock::LockClient::builder().redis(conn);
+/// let client = distlock::LockClient::builder().redis(conn)?;
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
@@ -55,6 +55,10 @@ struct Inner {
     connecting: tokio::sync::Mutex<u64>,
     timeout: Duration,
     watching: AtomicBool,
+    /// Since when a command on the connection of this generation went unanswered (its caller
+    /// gave up) with no reply on that connection since: a hung master.
+    /// (generation, since, commands given up since).
+    silent: Mutex<Option<(u64, std::time::Instant, u32)>>,
 }
 
 impl Inner {
@@ -93,6 +97,7 @@ impl SentinelConnection {
                 connecting: tokio::sync::Mutex::new(0),
                 timeout: Duration::from_secs(2),
                 watching: AtomicBool::new(false),
+                silent: Mutex::new(None),
             }),
         })
     }
@@ -114,6 +119,7 @@ impl SentinelConnection {
         if !self.inner.watching.swap(true, Ordering::Relaxed) {
             tokio::spawn(watch_switches(Arc::downgrade(&self.inner)));
         }
+        self.abandon_if_hung();
         if let Some(current) = self.current() {
             return Ok(current);
         }
@@ -142,6 +148,43 @@ impl SentinelConnection {
         let current = (*generation, conn);
         *self.inner.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(current.clone());
         Ok(current)
+    }
+
+    /// A master that stopped answering (frozen, or cut off by a network that drops packets)
+    /// produces no error: callers time out and drop their commands. When the connection has
+    /// left commands unanswered for longer than the connect timeout, with no reply since, it
+    /// is abandoned and the sentinels are asked again, whether or not `+switch-master` came.
+    fn abandon_if_hung(&self) {
+        let silent = *self.inner.silent.lock().unwrap_or_else(|e| e.into_inner());
+        // Two commands given up and no reply between them over the timeout: not one caller's
+        // cancellation on an idle connection, a master that does not answer.
+        if let Some((generation, since, given_up)) = silent
+            && given_up >= 2
+            && since.elapsed() >= self.inner.timeout
+        {
+            let mut current = self.inner.current.lock().unwrap_or_else(|e| e.into_inner());
+            if current.as_ref().is_some_and(|(g, _)| *g == generation) {
+                tracing::warn!(
+                    service = %self.inner.service,
+                    "sentinel: the master has not answered for {:?}; reconnecting",
+                    since.elapsed()
+                );
+                *current = None;
+            }
+            *self.inner.silent.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
+    }
+
+    /// Records that the connection of `generation` answered (or went silent, when `answered`
+    /// is false and a command was given up).
+    fn heard(&self, generation: u64, answered: bool) {
+        let mut silent = self.inner.silent.lock().unwrap_or_else(|e| e.into_inner());
+        match (&mut *silent, answered) {
+            (Some((g, _, _)), true) if *g == generation => *silent = None,
+            (Some((g, _, given_up)), false) if *g == generation => *given_up += 1,
+            (_, false) => *silent = Some((generation, std::time::Instant::now(), 1)),
+            _ => {}
+        }
     }
 
     /// Forgets the connection of `generation` after an error that means it no longer reaches
@@ -210,11 +253,51 @@ async fn watch_switches(inner: Weak<Inner>) {
     }
 }
 
+/// A command in flight: if its future is dropped before an answer (the caller's timeout), the
+/// connection is marked silent since then.
+struct Unanswered<'a> {
+    connection: &'a SentinelConnection,
+    generation: u64,
+    done: bool,
+}
+
+impl<'a> Unanswered<'a> {
+    fn new(connection: &'a SentinelConnection, generation: u64) -> Self {
+        Unanswered {
+            connection,
+            generation,
+            done: false,
+        }
+    }
+
+    /// An answer came (a reply, or an error the server sent): the connection is alive.
+    fn answered<T>(mut self, result: &Result<T, RedisError>) {
+        self.done = true;
+        let from_server = match result {
+            Ok(_) => true,
+            Err(e) => !(e.is_io_error() || e.is_timeout() || e.is_connection_dropped()),
+        };
+        if from_server {
+            self.connection.heard(self.generation, true);
+        }
+    }
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.connection.heard(self.generation, false);
+        }
+    }
+}
+
 impl ConnectionLike for SentinelConnection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         Box::pin(async move {
             let (generation, mut conn) = self.connection().await?;
+            let watch = Unanswered::new(self, generation);
             let result = conn.req_packed_command(cmd).await;
+            watch.answered(&result);
             if let Err(e) = &result {
                 self.check(generation, e);
             }
@@ -230,7 +313,9 @@ impl ConnectionLike for SentinelConnection {
     ) -> RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
             let (generation, mut conn) = self.connection().await?;
+            let watch = Unanswered::new(self, generation);
             let result = conn.req_packed_commands(pipeline, offset, count).await;
+            watch.answered(&result);
             if let Err(e) = &result {
                 self.check(generation, e);
             }

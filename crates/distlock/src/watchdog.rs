@@ -77,7 +77,7 @@ struct HoldState {
 }
 
 fn base() -> Instant {
-    static BASE: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
+    static BASE: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(crate::clock::now);
     *BASE
 }
 
@@ -102,7 +102,7 @@ impl Watchdog {
         let hold = Arc::new(Hold {
             id: queue.next_id,
             watchdog: Arc::downgrade(&self.inner),
-            cap: config.max_hold().map(|c| acquired + c),
+            cap: config.max_hold().and_then(|c| acquired.checked_add(c)),
             state: Mutex::new(HoldState {
                 event: None,
                 next_renewal: acquired + renew_every,
@@ -186,7 +186,7 @@ async fn run(inner: Weak<Inner>) {
         let Some(strong) = inner.upgrade() else {
             return;
         };
-        let now = Instant::now();
+        let now = crate::clock::now();
         let mut due = Vec::new();
         let next = {
             let mut queue = strong.queue.lock().unwrap_or_else(|e| e.into_inner());
@@ -255,7 +255,8 @@ fn attend(inner: &Inner, hold: &Arc<Hold>, now: Instant) {
         let config = &hold.config;
         let lease = match hold.cap {
             None => config.lease(),
-            Some(cap) => config.lease().min(cap.saturating_duration_since(now)),
+            // Whole milliseconds, as Redis keeps them: the lease counted here is the one set.
+            Some(cap) => whole_millis(config.lease().min(cap.saturating_duration_since(now))),
         };
         if lease <= config.drift() * 2 {
             // The cap leaves no useful lease: stop renewing and let this one run out.
@@ -268,6 +269,10 @@ fn attend(inner: &Inner, hold: &Arc<Hold>, now: Instant) {
     }
     let at = state.next_event(hold);
     schedule(&mut queue, hold, &mut state, at);
+}
+
+fn whole_millis(d: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Sends one renewal, then records its outcome and schedules the hold's next event.
@@ -289,7 +294,11 @@ async fn renew(hold: Arc<Hold>, lease: Duration, sent: Instant) {
                 hold.lease.renewed(sent + lease - config.drift());
                 state.next_renewal = sent + config.renew_every();
                 state.retry.reset();
-                if hold.cap.is_some_and(|cap| sent + lease >= cap) {
+                // (The capped lease was cut to whole milliseconds: within one of the cap is at it.)
+                if hold
+                    .cap
+                    .is_some_and(|cap| sent + lease + Duration::from_millis(1) > cap)
+                {
                     state.renewing = false;
                     state.capped = true;
                 }
@@ -308,11 +317,11 @@ async fn renew(hold: Arc<Hold>, lease: Duration, sent: Instant) {
             }
             Ok(Err(error)) => {
                 tracing::debug!(lock = hold.op.name.as_str(), %error, "renewal failed, retrying");
-                state.next_renewal = Instant::now() + state.retry.next_delay();
+                state.next_renewal = crate::clock::now() + state.retry.next_delay();
             }
             Err(_) => {
                 tracing::debug!(lock = hold.op.name.as_str(), "renewal timed out, retrying");
-                state.next_renewal = Instant::now() + state.retry.next_delay();
+                state.next_renewal = crate::clock::now() + state.retry.next_delay();
             }
         }
         if hold.lease.loss().is_some() {

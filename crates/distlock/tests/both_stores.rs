@@ -52,7 +52,7 @@ impl Store {
                 c.prepare().await.unwrap();
                 c
             }
-            (None, Some(shared)) => shared.with_config(config),
+            (None, Some(shared)) => shared.with_config(config).unwrap(),
             _ => unreachable!(),
         }
     }
@@ -87,6 +87,7 @@ both!(
     once_lifecycle,
     late_completion_is_refused,
     exclusion_without_fencing,
+    reentrant_holds_never_shorten_each_others_lease,
 );
 
 async fn exclusion_and_fencing(store: Store) {
@@ -278,4 +279,40 @@ async fn exclusion_without_fencing(store: Store) {
             ..
         })
     ));
+}
+
+/// Owner O holds a reentrant lock with a 10 s lease and takes a second hold with a 300 ms lease
+/// (renewed by the watchdog), keeps it for 500 ms and releases it. The key's expiry must still
+/// cover the first hold's promise: another owner must not get the lock while O's outer guard
+/// holds it. (Before, each renewal of the short hold set the key's expiry to 300 ms.)
+async fn reentrant_holds_never_shorten_each_others_lease(store: Store) {
+    let client = store.client(LockConfig::default()).await;
+    let me = OwnerId::random();
+    let outer = client
+        .reentrant("nest", &me)
+        .unwrap()
+        .try_acquire()
+        .await
+        .unwrap();
+    let short = LockConfig::builder().lease(ms(300)).build().unwrap();
+    let inner = client
+        .reentrant("nest", &me)
+        .unwrap()
+        .with_config(short)
+        .unwrap()
+        .try_acquire()
+        .await
+        .unwrap();
+    tokio::time::sleep(ms(500)).await;
+    assert!(inner.release().await.unwrap());
+    let them = client.reentrant("nest", &OwnerId::random()).unwrap();
+    for _ in 0..10 {
+        tokio::time::sleep(ms(60)).await;
+        assert!(outer.is_held());
+        assert!(
+            matches!(them.try_acquire().await, Err(LockError::Held { .. })),
+            "another owner took the lock while the outer hold was promised 10 s"
+        );
+    }
+    assert!(outer.release().await.unwrap());
 }

@@ -22,7 +22,8 @@ async fn locks_run_unchanged_on_a_cluster() {
                 .prefix(&prefix)
                 .unwrap()
                 .notifications(redis::Client::open(cluster.urls()[0].as_str()).unwrap())
-                .redis(conn);
+                .redis(conn)
+                .unwrap();
             c.prepare().await.expect("scripts load on every master");
             c
         }
@@ -102,4 +103,74 @@ async fn locks_run_unchanged_on_a_cluster() {
     tokio::time::sleep(Duration::from_millis(50)).await;
     g.complete(b"done").await.unwrap();
     assert!(matches!(waiting.await.unwrap(), Begin::Done(r) if &r[..] == b"done"));
+}
+
+/// A release announcement published on the master that owns the lock reaches a waiter whose
+/// client listens on another master, with polling off (so nothing else could wake it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_reaches_a_waiter_listening_on_another_node() {
+    let cluster = RedisCluster::start(3, 0).await;
+    let prefix = testkit::unique_prefix("cluster-announce");
+    let config = LockConfig::builder().polling(false).build().unwrap();
+    let mut conn = cluster.connection().await;
+    let lock_name = distlock::LockName::new(&prefix, "far").unwrap();
+    let slot: i64 = redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(lock_name.lock_key())
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    // The node that does not serve the lock's slot.
+    let mut listen_on = None;
+    for url in cluster.urls() {
+        let client = redis::Client::open(url.as_str()).unwrap();
+        let mut c = client.get_multiplexed_async_connection().await.unwrap();
+        let nodes: String = redis::cmd("CLUSTER")
+            .arg("NODES")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        let me = nodes.lines().find(|l| l.contains("myself")).unwrap();
+        let serves = me.split(' ').skip(8).any(|range| {
+            let mut ends = range.split('-').map(|v| v.parse::<i64>().unwrap_or(-1));
+            let lo = ends.next().unwrap_or(-1);
+            let hi = ends.next().unwrap_or(lo);
+            (lo..=hi).contains(&slot)
+        });
+        if !serves {
+            listen_on = Some(url);
+            break;
+        }
+    }
+    let listen_on = listen_on.expect("three masters: two do not serve the slot");
+    let make = |notify: &str| {
+        let notify = redis::Client::open(notify).unwrap();
+        let config = config.clone();
+        let prefix = prefix.clone();
+        let cluster = &cluster;
+        async move {
+            let c = LockClient::builder()
+                .config(config)
+                .prefix(&prefix)
+                .unwrap()
+                .notifications(notify)
+                .redis(cluster.connection().await)
+                .unwrap();
+            c.prepare().await.unwrap();
+            c
+        }
+    };
+    let holder = make(&cluster.urls()[0]).await;
+    let waiter = make(&listen_on).await;
+    let held = holder.lock("far").unwrap().try_acquire().await.unwrap();
+    let lock = waiter.lock("far").unwrap();
+    let waiting = tokio::spawn(async move { lock.acquire(Duration::from_secs(5)).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(held.release().await.unwrap());
+    let got = tokio::time::timeout(Duration::from_secs(2), waiting)
+        .await
+        .expect("the announcement crossed the cluster and woke the waiter")
+        .unwrap()
+        .unwrap();
+    assert!(got.release().await.unwrap());
 }

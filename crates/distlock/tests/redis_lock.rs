@@ -600,3 +600,156 @@ async fn a_completion_after_the_lease_was_lost_is_refused() {
     second.complete(b"right").await.unwrap();
     assert!(matches!(once.begin("").await.unwrap(), Begin::Done(r) if &r[..] == b"right"));
 }
+
+/// Announcements, proven without the polling fallback: a waiter in another client (so not
+/// woken locally) with polling off is woken only if the scripts announce releases on the
+/// channel it listens to. Exclusive release, reentrant last release and completion each wake
+/// it well within its wait (the holder's lease, 10 s, would be the only other wake-up).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_wake_a_waiter_in_another_client_without_polling() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("announce");
+    let config = LockConfig::builder().polling(false).build().unwrap();
+    let holder = client(&server, &prefix, config.clone()).await;
+    let waiter = client(&server, &prefix, config).await;
+    let wait = Duration::from_secs(5);
+
+    // Exclusive lock.
+    let held = holder.lock("x").unwrap().try_acquire().await.unwrap();
+    let lock = waiter.lock("x").unwrap();
+    let waiting = tokio::spawn(async move { lock.acquire(wait).await });
+    tokio::time::sleep(ms(200)).await;
+    assert!(held.release().await.unwrap());
+    let got = tokio::time::timeout(Duration::from_secs(2), waiting)
+        .await
+        .expect("the announcement woke the waiter")
+        .unwrap()
+        .unwrap();
+    assert!(got.release().await.unwrap());
+
+    // Reentrant: the last hold's release is announced.
+    let me = OwnerId::random();
+    let a = holder
+        .reentrant("r", &me)
+        .unwrap()
+        .try_acquire()
+        .await
+        .unwrap();
+    let b = holder
+        .reentrant("r", &me)
+        .unwrap()
+        .try_acquire()
+        .await
+        .unwrap();
+    let lock = waiter.reentrant("r", &OwnerId::random()).unwrap();
+    let waiting = tokio::spawn(async move { lock.acquire(wait).await });
+    tokio::time::sleep(ms(200)).await;
+    assert!(a.release().await.unwrap());
+    assert!(b.release().await.unwrap());
+    let got = tokio::time::timeout(Duration::from_secs(2), waiting)
+        .await
+        .expect("the last release woke the waiter")
+        .unwrap()
+        .unwrap();
+    assert!(got.release().await.unwrap());
+
+    // Completion.
+    let Begin::Acquired(g) = holder.once("o").unwrap().begin("t").await.unwrap() else {
+        panic!("free")
+    };
+    let once = waiter.once("o").unwrap();
+    let waiting = tokio::spawn(async move { once.begin_wait("t", wait).await });
+    tokio::time::sleep(ms(200)).await;
+    g.complete(b"done").await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(2), waiting)
+        .await
+        .expect("the completion woke the waiter")
+        .unwrap()
+        .unwrap();
+    assert!(matches!(got, Begin::Done(r) if &r[..] == b"done"));
+}
+
+/// An ACL user without pub/sub channel rights (Redis 7's `resetchannels`): releases and
+/// completions happened and say so (the announcement is refused, not the write), and the
+/// notification task does not reconnect in a loop: waiters poll instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_channel_rights_writes_succeed_and_waiters_poll() {
+    let server = RedisServer::start_owned().await;
+    let mut admin = server.connection().await;
+    let _: () = redis::cmd("ACL")
+        .arg(&[
+            "SETUSER",
+            "nochan",
+            "on",
+            ">pw",
+            "~*",
+            "resetchannels",
+            "+@all",
+        ])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let url = format!("redis://nochan:pw@127.0.0.1:{}/", server.port());
+    let prefix = testkit::unique_prefix("nochan");
+    let c = connect(&url, &prefix, LockConfig::default()).await;
+    let lock = c.lock("k").unwrap();
+    let held = lock.try_acquire().await.unwrap();
+    let connections = |info: &str| -> u64 {
+        info.lines()
+            .find_map(|l| l.strip_prefix("total_connections_received:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap()
+    };
+    let waiting = tokio::spawn({
+        let lock = lock.clone();
+        async move { lock.acquire(Duration::from_secs(10)).await }
+    });
+    tokio::time::sleep(ms(200)).await;
+    let info: String = redis::cmd("INFO")
+        .arg("stats")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let before = connections(&info);
+    tokio::time::sleep(ms(1_000)).await;
+    let info: String = redis::cmd("INFO")
+        .arg("stats")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let opened = connections(&info) - before;
+    assert!(
+        opened <= 2,
+        "{opened} connections in a second: a reconnect loop"
+    );
+    assert!(
+        held.release().await.expect("the release happened"),
+        "and it was ours"
+    );
+    let got = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("the waiter polls")
+        .unwrap()
+        .unwrap();
+    drop(got);
+    let once = c.once("o").unwrap();
+    let Begin::Acquired(g) = once.begin("t").await.unwrap() else {
+        panic!("free")
+    };
+    g.complete(b"r").await.expect("the completion happened");
+    assert!(matches!(once.begin("t").await.unwrap(), Begin::Done(r) if &r[..] == b"r"));
+}
+
+/// A refused connection never sent the command: the error is not ambiguous, so no cleanup is
+/// spawned for it (callers retrying through an outage would pile them up).
+#[tokio::test]
+async fn a_refused_connection_is_not_an_ambiguous_acquisition() {
+    let port = testkit::free_port().unwrap();
+    let c = LockClient::builder()
+        .connect(&format!("redis://127.0.0.1:{port}/"))
+        .unwrap();
+    match c.lock("k").unwrap().try_acquire().await {
+        Err(LockError::Unavailable { ambiguous, .. }) => assert!(!ambiguous),
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+}

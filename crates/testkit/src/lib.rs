@@ -6,16 +6,20 @@
 //!   paused (SIGSTOP/SIGCONT) and restarted on the same port.
 //! * [`History`] and [`check`]: record critical sections (in memory or in a file shared by several
 //!   processes) and prove there was never more than one holder and fencing tokens only grew.
+//! * [`FaultProxy`]: a TCP proxy between a client and Redis that delays replies, drops a reply
+//!   after its command ran, or black-holes connections.
 
 mod cluster;
 mod fenced;
 mod history;
+mod proxy;
 mod sentinel;
 mod server;
 
 pub use cluster::RedisCluster;
 pub use fenced::{FENCED_WRITE_LUA, FencedResource};
 pub use history::{History, Open, Report, Section, check, instant_ns, now_ns};
+pub use proxy::FaultProxy;
 pub use sentinel::{RedisSentinel, SERVICE as SENTINEL_SERVICE};
 pub use server::{HarnessError, RedisServer, ServerOptions, free_port, free_port_pair};
 

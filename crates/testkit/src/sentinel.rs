@@ -35,6 +35,7 @@ impl Drop for SentinelProcess {
 pub struct RedisSentinel {
     servers: Vec<RedisServer>,
     sentinels: Vec<SentinelProcess>,
+    proxy: Option<crate::FaultProxy>,
 }
 
 impl std::fmt::Debug for RedisSentinel {
@@ -72,9 +73,33 @@ impl RedisSentinel {
 
     /// Like [`start`](Self::start) but returns the error.
     pub async fn try_start(replicas: usize) -> Result<Self, HarnessError> {
+        Self::try_start_inner(replicas, false).await
+    }
+
+    /// A group whose sentinels monitor (and name to clients) a [`FaultProxy`](crate::FaultProxy)
+    /// in front of the master, so that a test can hang the master as clients see it.
+    pub async fn start_behind_proxy(replicas: usize) -> Self {
+        match Self::try_start_inner(replicas, true).await {
+            Ok(group) => group,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// The proxy in front of the master, for a group started behind one.
+    pub fn proxy(&self) -> Option<&crate::FaultProxy> {
+        self.proxy.as_ref()
+    }
+
+    async fn try_start_inner(replicas: usize, proxied: bool) -> Result<Self, HarnessError> {
         let binary = find_redis_server()?;
         let master = RedisServer::try_start_owned(ServerOptions::default()).await?;
         let master_port = master.port();
+        let proxy = if proxied {
+            Some(crate::FaultProxy::to(format!("127.0.0.1:{master_port}")).await?)
+        } else {
+            None
+        };
+        let monitored = proxy.as_ref().map_or(master_port, crate::FaultProxy::port);
         let mut servers = vec![master];
         for _ in 0..replicas {
             let options = ServerOptions::default()
@@ -92,7 +117,7 @@ impl RedisSentinel {
                 &conf,
                 format!(
                     "port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {}\n\
-                     sentinel monitor {SERVICE} 127.0.0.1 {master_port} 2\n\
+                     sentinel monitor {SERVICE} 127.0.0.1 {monitored} 2\n\
                      sentinel down-after-milliseconds {SERVICE} 2000\n\
                      sentinel failover-timeout {SERVICE} 10000\n\
                      sentinel parallel-syncs {SERVICE} 1\n",
@@ -114,7 +139,11 @@ impl RedisSentinel {
                 _dir: dir,
             });
         }
-        let group = RedisSentinel { servers, sentinels };
+        let group = RedisSentinel {
+            servers,
+            sentinels,
+            proxy,
+        };
         group.wait_ready(Duration::from_secs(30)).await?;
         Ok(group)
     }

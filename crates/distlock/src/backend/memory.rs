@@ -1,6 +1,14 @@
 //! The in-memory store: the same operations and semantics as the Redis scripts, for a single
 //! process and for unit tests. Expired entries are swept on every operation; memory is bounded by
 //! an entry count and a byte budget.
+//!
+//! **Fencing tokens** come from one counter for the whole store, not one per name: every
+//! acquisition that fences takes the next value. A name's tokens are therefore strictly
+//! increasing for as long as the store lives (they are no longer consecutive per name), and
+//! nothing is kept per name for them: a lock name costs memory only while it is held (or while
+//! a run-once record is kept), and no eviction or expiry can ever make a name's fence go back.
+//! (Redis keeps a counter per name because there the counter must survive in the lock's own hash
+//! slot; in one process a single counter is cheaper and stronger.)
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -14,9 +22,11 @@ use crate::{ConfigError, LockError, OwnerId, Token};
 
 /// Bounds of the in-memory store.
 ///
-/// When a new entry would exceed a bound, expired entries go first, then completed or idle state
-/// (records, fencing counters with an expiry) in order of expiry; held locks are never evicted. If
-/// nothing can be evicted the acquisition fails with [`LockError::Capacity`].
+/// When a new entry would exceed a bound, expired entries go first, then run-once state (records
+/// kept for their retention, tags of locks no longer held) in order of expiry, with a warning;
+/// held locks are never evicted. Fencing counters take no room (one counter serves the whole
+/// store). If nothing can be evicted (every entry is a held lock, or a record is larger than the
+/// byte budget) the operation fails with [`LockError::Capacity`].
 ///
 /// ```
 /// let limits = distlock::MemoryLimits::new(10_000, 16 << 20)?;
@@ -93,9 +103,9 @@ struct MemLock {
     expires: Instant,
 }
 
+/// Run-once state: the holder's tag and the completion record.
 #[derive(Debug, Default)]
 struct MemState {
-    fence: u64,
     tag: Option<Bytes>,
     record: Option<Bytes>,
     /// The token that stored the record (a retried completion is recognised).
@@ -148,9 +158,14 @@ struct Store {
     entries: Entries,
     /// Locks plus states (the entry bound counts both).
     slots: usize,
-    /// Expiry index; entries whose expiry changed since are stale and skipped.
+    /// Expiry index of locks; entries whose expiry changed since are stale and skipped.
     expiries: BTreeMap<(Instant, u64), (Slot, Arc<str>)>,
+    /// Expiry index of run-once state, the eviction order (kept apart so that a store full of
+    /// held locks finds nothing to evict without walking them).
+    state_expiries: BTreeMap<(Instant, u64), (Slot, Arc<str>)>,
     seq: u64,
+    /// The last fencing token handed out, by any lock of the store.
+    fence: u64,
     bytes: usize,
     evicted: u64,
 }
@@ -158,7 +173,17 @@ struct Store {
 impl Store {
     fn index(&mut self, at: Instant, slot: Slot, key: &Arc<str>) {
         self.seq += 1;
-        self.expiries.insert((at, self.seq), (slot, key.clone()));
+        let index = match slot {
+            Slot::Lock => &mut self.expiries,
+            Slot::State => &mut self.state_expiries,
+        };
+        index.insert((at, self.seq), (slot, key.clone()));
+    }
+
+    /// The next fencing token (saturating: 2^64 acquisitions are not reached).
+    fn next_fence(&mut self) -> u64 {
+        self.fence = self.fence.saturating_add(1);
+        self.fence
     }
 
     /// Accounts for a change to one entry and drops it when it is empty.
@@ -182,7 +207,18 @@ impl Store {
 
     /// Drops everything that expired by `now`.
     fn sweep(&mut self, now: Instant) {
-        while let Some(first) = self.expiries.first_entry() {
+        loop {
+            let lock = self.expiries.first_key_value().map(|(k, _)| *k);
+            let state = self.state_expiries.first_key_value().map(|(k, _)| *k);
+            let index = match (lock, state) {
+                (Some(l), Some(s)) if s < l => &mut self.state_expiries,
+                (Some(_), _) => &mut self.expiries,
+                (None, Some(_)) => &mut self.state_expiries,
+                (None, None) => break,
+            };
+            let Some(first) = index.first_entry() else {
+                break;
+            };
             if first.key().0 > now {
                 break;
             }
@@ -227,17 +263,21 @@ impl Store {
             return true;
         }
         self.sweep(now);
-        let candidates: Vec<Arc<str>> = self
-            .expiries
-            .values()
-            .filter(|(slot, key)| {
-                *slot == Slot::State && self.entries.get(&**key).is_some_and(|e| e.lock.is_none())
-            })
-            .map(|(_, key)| key.clone())
-            .collect();
-        for key in candidates {
-            if fits(self) {
-                break;
+        // Run-once state in order of expiry (stale index entries are skipped), until it fits.
+        let mut cursor = None;
+        while !fits(self) {
+            let next = match cursor {
+                None => self.state_expiries.iter().next(),
+                Some(after) => self
+                    .state_expiries
+                    .range((std::ops::Bound::Excluded(after), std::ops::Bound::Unbounded))
+                    .next(),
+            };
+            let Some((at, (_, key))) = next else { break };
+            cursor = Some(*at);
+            let key = key.clone();
+            if self.entries.get(&*key).is_none_or(|e| e.lock.is_some()) {
+                continue;
             }
             let before = self.footprint(&key);
             if let Some(entry) = self.entries.get_mut(&*key)
@@ -291,7 +331,7 @@ impl MemoryBackend {
     }
 
     fn acquire_now(&self, op: &Op) -> Result<Attempt, LockError> {
-        let now = Instant::now();
+        let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
         let key = op.name.lock_key();
@@ -340,8 +380,9 @@ impl MemoryBackend {
             Mode::Once { tag, .. } => Some(tag.clone()),
             _ => None,
         };
+        let once = tag.is_some();
         let has_state = store.entries.get(key).is_some_and(|e| e.state.is_some());
-        let new_slots = 1 + usize::from(fenced && !has_state);
+        let new_slots = 1 + usize::from(once && !has_state);
         let new_bytes =
             if before.0 == 0 { key.len() } else { 0 } + tag.as_ref().map_or(0, Bytes::len);
         if !store.make_room(&self.limits, new_slots, new_bytes, now) {
@@ -352,20 +393,16 @@ impl MemoryBackend {
             None => Arc::from(key),
         };
         let before = store.footprint(key);
+        let fence = if fenced { store.next_fence() } else { 0 };
         let entry = store.entries.entry(shared_key.clone()).or_default();
-        let mut fence = 0;
-        let ttl = state_ttl(op);
         let mut state_expiry = None;
-        if fenced {
+        if let Some(tag) = tag {
+            // Run-once state: the tag while held, the record once completed.
             let state = entry.state.get_or_insert_with(MemState::default);
-            state.fence += 1;
-            fence = state.fence;
-            if let Some(tag) = tag {
-                state.tag = Some(tag);
-            }
-            if let Some(ttl) = ttl {
-                state.expires = Some(now + ttl);
-                state_expiry = Some(now + ttl);
+            state.tag = Some(tag);
+            if let Some(ttl) = state_ttl(op) {
+                state.expires = Some(crate::clock::after(now, ttl));
+                state_expiry = state.expires;
             }
         }
         let holder = match &op.mode {
@@ -408,7 +445,7 @@ impl MemoryBackend {
     }
 
     fn extend_now(&self, op: &Op, lease: Duration) -> bool {
-        let now = Instant::now();
+        let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
         let Some(key) = Self::owned(&store, op, now) else {
@@ -416,17 +453,23 @@ impl MemoryBackend {
         };
         let ttl = state_ttl(op);
         let entry = store.entries.get_mut(&*key).expect("owned");
+        let mut expires = now + lease;
         if let Some(lock) = entry.lock.as_mut() {
-            lock.expires = now + lease;
+            if let Holder::Reentrant { .. } = lock.holder {
+                // Shared by every hold of the owner: a renewal never cuts short the lease
+                // another hold was promised (as `reentrant_extend.lua`).
+                expires = expires.max(lock.expires);
+            }
+            lock.expires = expires;
         }
         let state_expiry = match (entry.state.as_mut(), ttl) {
             (Some(state), Some(ttl)) => {
-                state.expires = Some(now + ttl);
-                Some(now + ttl)
+                state.expires = Some(crate::clock::after(now, ttl));
+                Some(crate::clock::after(now, ttl))
             }
             _ => None,
         };
-        store.index(now + lease, Slot::Lock, &key);
+        store.index(expires, Slot::Lock, &key);
         if let Some(at) = state_expiry {
             store.index(at, Slot::State, &key);
         }
@@ -434,7 +477,7 @@ impl MemoryBackend {
     }
 
     fn release_now(&self, op: &Op) -> bool {
-        let now = Instant::now();
+        let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
         let Some(key) = Self::owned(&store, op, now) else {
@@ -460,7 +503,7 @@ impl MemoryBackend {
     }
 
     fn complete_now(&self, op: &Op, record: &[u8]) -> Result<bool, LockError> {
-        let now = Instant::now();
+        let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
         let Some(key) = Self::owned(&store, op, now) else {
@@ -489,7 +532,7 @@ impl MemoryBackend {
         state.record = Some(Bytes::copy_from_slice(record));
         state.completed_by = Some(op.token);
         state.tag = None;
-        let state_expiry = ttl.map(|ttl| now + ttl);
+        let state_expiry = ttl.map(|ttl| crate::clock::after(now, ttl));
         state.expires = state_expiry;
         entry.lock = None;
         store.settle(&key, before);
@@ -697,8 +740,9 @@ mod tests {
         let (entries, _, evicted) = b.usage();
         assert!(entries <= 10, "{entries}");
         assert!(evicted >= 40);
-        // Held locks are never evicted: with every slot held, a new lock is refused.
-        let held: Vec<_> = (0..5)
+        // Held locks are never evicted: with every slot held (records evicted to make room),
+        // a new lock is refused.
+        let held: Vec<_> = (0..10)
             .map(|i| {
                 let o = op(&format!("h{i}"), Mode::Exclusive, 10_000);
                 b.acquire_now(&o).unwrap();
@@ -713,6 +757,46 @@ mod tests {
         for o in &held {
             assert!(b.release_now(o));
         }
+    }
+
+    /// Fencing on, acquire+release of ever-new names: no counter stays behind, so the store
+    /// never fills (before: `Capacity` once every slot held a counter), and the fences of a
+    /// name in use keep growing however much is evicted or expires around it.
+    #[test]
+    fn fencing_on_new_names_never_fills_the_store_and_fences_never_go_back() {
+        let b = MemoryBackend::new(MemoryLimits::new(50, 1 << 20).unwrap());
+        let mut last_hot = 0;
+        for i in 0..2_000 {
+            let o = op(&format!("name-{i}"), Mode::Exclusive, 10_000);
+            assert!(matches!(
+                b.acquire_now(&o).unwrap(),
+                Attempt::Acquired { .. }
+            ));
+            assert!(b.release_now(&o));
+            if i % 100 == 0 {
+                let hot = op("hot", Mode::Exclusive, 10_000);
+                let Attempt::Acquired { fence } = b.acquire_now(&hot).unwrap() else {
+                    panic!("free")
+                };
+                assert!(fence > last_hot, "{fence} after {last_hot}");
+                last_hot = fence;
+                assert!(b.release_now(&hot));
+            }
+        }
+        assert_eq!(b.usage().0, 0, "nothing kept for released names");
+        // Full of held locks: refused, and the message says why.
+        let held: Vec<_> = (0..50)
+            .map(|i| {
+                let o = op(&format!("held-{i}"), Mode::Exclusive, 10_000);
+                b.acquire_now(&o).unwrap();
+                o
+            })
+            .collect();
+        let err = b
+            .acquire_now(&op("one-more", Mode::Exclusive, 10_000))
+            .unwrap_err();
+        assert!(err.to_string().contains("held locks"), "{err}");
+        drop(held);
     }
 
     #[test]
@@ -734,10 +818,10 @@ mod tests {
         assert!(b.usage().1 > 1000);
         std::thread::sleep(Duration::from_millis(40));
         o.token = Token::random();
-        assert!(matches!(
-            b.acquire_now(&o).unwrap(),
-            Attempt::Acquired { fence: 1 }
-        ));
+        assert!(
+            matches!(b.acquire_now(&o).unwrap(), Attempt::Acquired { fence: 2 }),
+            "the state expired, the fence goes on"
+        );
         assert!(b.release_now(&o));
         std::thread::sleep(Duration::from_millis(40));
         b.store().sweep(Instant::now());

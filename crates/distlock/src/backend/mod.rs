@@ -12,6 +12,8 @@ use bytes::Bytes;
 use crate::{LockError, LockName, OwnerId, Token};
 
 pub(crate) mod memory;
+#[cfg(test)]
+mod model_tests;
 pub(crate) mod redis;
 pub(crate) mod redlock;
 pub(crate) mod waiters;
@@ -76,10 +78,12 @@ pub(crate) enum Attempt {
 
 /// Releases (compare-and-delete) and, if the lock was ours, wakes the next waiter in this
 /// client at once rather than when the store's announcement comes back (the announcement
-/// carries the same token, so it does not wake a second one).
+/// carries the same token, so it does not wake a second one). A reentrant hold is one of
+/// several: whether its release freed the lock only the store knows, and it announces (and the
+/// in-memory store wakes) only the last one, so no local waiter is woken for nothing.
 pub(crate) async fn release_and_wake(backend: &dyn Backend, op: &Op) -> Result<bool, LockError> {
     let released = backend.release(op).await?;
-    if released {
+    if released && !matches!(op.mode, Mode::Reentrant { .. }) {
         wake_next(backend, op);
     }
     Ok(released)
@@ -114,4 +118,57 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
     fn waiters(&self) -> &Arc<waiters::Waiters>;
     /// A short description for logs ("redis", "memory", ...).
     fn describe(&self) -> String;
+    /// Refuses a lock configuration this store cannot honour (a replica check or a node timeout
+    /// that does not fit in its command timeout).
+    fn check_config(&self, config: &crate::LockConfig) -> Result<(), crate::ConfigError> {
+        let _ = config;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::memory::MemoryBackend;
+    use crate::{LockName, MemoryLimits, Token};
+
+    #[tokio::test]
+    async fn releasing_a_hold_that_is_not_the_last_wakes_no_waiter() {
+        let backend = MemoryBackend::new(MemoryLimits::default());
+        let hold = |owner: &OwnerId| Op {
+            name: LockName::new("t", "r").unwrap(),
+            token: Token::random(),
+            lease: Duration::from_secs(10),
+            drift: Duration::from_millis(2),
+            fencing: true,
+            state_ttl: None,
+            mode: Mode::Reentrant {
+                owner: owner.clone(),
+            },
+        };
+        let me = OwnerId::random();
+        let (outer, inner) = (hold(&me), hold(&me));
+        for op in [&outer, &inner] {
+            assert!(matches!(
+                backend.acquire(op).await.unwrap(),
+                Attempt::Acquired { .. }
+            ));
+        }
+        let waiter = backend.waiters().register(outer.name.channel());
+        async fn woken(w: &waiters::Waiter) -> bool {
+            tokio::time::timeout(Duration::from_millis(50), w.notified())
+                .await
+                .is_ok()
+        }
+        assert!(release_and_wake(&backend, &inner).await.unwrap());
+        assert!(
+            !woken(&waiter).await,
+            "the lock is still held: nobody to wake"
+        );
+        assert!(release_and_wake(&backend, &outer).await.unwrap());
+        assert!(
+            woken(&waiter).await,
+            "the last release wakes the next waiter"
+        );
+    }
 }

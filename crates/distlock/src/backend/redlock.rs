@@ -18,6 +18,11 @@
 //!   tokens that never repeat. A node that restarts empty keeps the *lock* safe under the
 //!   delayed-restart rule, but its counter starts again, and if it is the only node two
 //!   successive quorums share, a fence can repeat once.
+//! * **Run-once records** are decided by quorum both ways: `complete` counts only when a quorum
+//!   stored the record, and `begin` replays a record only when a quorum of nodes hold that same
+//!   record. A holder whose lease ran out on most nodes may still store its record on a few (it
+//!   is told `LeaseLost`); that minority record is never replayed, and the next holder's record,
+//!   stored on a quorum, is the one every reader gets.
 //! * **Extend** and **complete** count only when a quorum confirms; the watchdog measures the
 //!   new validity from when the renewal was sent, so a renewal confirmed too late counts for
 //!   nothing (the loss signal has already fired).
@@ -27,13 +32,15 @@
 //!   `appendfsync always`).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use futures_util::StreamExt;
 use futures_util::future::join_all;
+use futures_util::stream::FuturesUnordered;
 
 use super::redis::{Conn, RedisBackend};
 use super::waiters::Waiters;
-use super::{Attempt, Backend, BoxFuture, Op};
+use super::{Attempt, Backend, BoxFuture, Mode, Op};
 use crate::LockError;
 
 pub(crate) struct RedlockBackend<C> {
@@ -150,12 +157,12 @@ impl<C: Conn> RedlockBackend<C> {
     }
 
     async fn acquire_quorum(&self, op: &Op) -> Result<Attempt, LockError> {
-        let started = Instant::now();
+        let started = crate::clock::now();
         let mut fanout = self.fanout(op, |node| node.acquire(op)).await;
         let mut fences = Vec::new();
         let mut held_ttl: Option<Duration> = None;
         let mut tag = None;
-        let mut done = None;
+        let mut records: Vec<&bytes::Bytes> = Vec::new();
         for result in &fanout.results {
             match result {
                 Ok(Attempt::Acquired { fence }) => fences.push(*fence),
@@ -167,18 +174,27 @@ impl<C: Conn> RedlockBackend<C> {
                         tag.clone_from(t);
                     }
                 }
-                Ok(Attempt::Done { record }) => done = Some(record.clone()),
+                Ok(Attempt::Done { record }) => records.push(record),
                 Err(_) => {}
             }
         }
-        if let Some(record) = done {
-            // A completion record on any node was written by a holder that had a quorum.
+        // "Done" is a quorum decision too: a record counts only when a quorum of nodes hold the
+        // same one. A record on fewer nodes was stored by a holder that did not complete on a
+        // quorum (it was told its lease was lost, and someone else may have done the work
+        // since): it is never replayed, and those nodes simply do not count for this attempt.
+        let decided = records
+            .iter()
+            .find(|r| records.iter().filter(|o| o == r).count() >= self.quorum)
+            .map(|r| (*r).clone());
+        if let Some(record) = decided {
             if !fences.is_empty() {
                 self.release_all(op).await;
             }
             return Ok(Attempt::Done { record });
         }
-        if fences.len() >= self.quorum && !op.fencing {
+        // Run-once and reentrant locks always fence, whatever `fencing` says.
+        let fenced = op.fencing || !matches!(op.mode, Mode::Exclusive);
+        if fences.len() >= self.quorum && !fenced {
             if started.elapsed() + op.drift < op.lease {
                 return Ok(Attempt::Acquired { fence: 0 });
             }
@@ -249,17 +265,27 @@ impl<C: Conn> Backend for RedlockBackend<C> {
 
     fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>> {
         Box::pin(async move {
-            let results = join_all(self.nodes.iter().map(|n| n.prepare())).await;
-            let ok = results.iter().filter(|r| r.is_ok()).count();
-            if ok >= self.quorum {
-                return Ok(());
-            }
-            let source = results.into_iter().rev().find_map(|r| match r {
-                Err(LockError::Unavailable { source, .. } | LockError::Redis { source, .. }) => {
-                    Some(source)
+            // All nodes at once, done as soon as a quorum is ready: a frozen or slow node must
+            // not hold up a fresh client. The others join when they answer (they connect
+            // lazily, and load the scripts on first use).
+            let mut pending: FuturesUnordered<_> =
+                self.nodes.iter().map(RedisBackend::prepare).collect();
+            let (mut ok, mut source) = (0, None);
+            while let Some(result) = pending.next().await {
+                match result {
+                    Ok(()) => ok += 1,
+                    Err(
+                        LockError::Unavailable { source: s, .. }
+                        | LockError::Redis { source: s, .. },
+                    ) => {
+                        source = Some(s);
+                    }
+                    Err(_) => {}
                 }
-                _ => None,
-            });
+                if ok >= self.quorum {
+                    return Ok(());
+                }
+            }
             Err(LockError::NoQuorum {
                 name: "(scripts)".into(),
                 confirmed: ok,
@@ -276,5 +302,19 @@ impl<C: Conn> Backend for RedlockBackend<C> {
 
     fn describe(&self) -> String {
         self.describe.clone()
+    }
+
+    fn check_config(&self, config: &crate::LockConfig) -> Result<(), crate::ConfigError> {
+        let op_timeout = config.op_timeout();
+        if self.node_timeout.is_zero() || self.node_timeout * 3 > op_timeout {
+            return Err(crate::ConfigError::invalid(
+                "node_timeout",
+                format!(
+                    "{:?} must be above zero and at most a third of the command timeout {op_timeout:?} (an acquisition is up to three rounds)",
+                    self.node_timeout
+                ),
+            ));
+        }
+        Ok(())
     }
 }

@@ -30,11 +30,69 @@ struct Slot {
     last: Vec<u8>,
 }
 
+/// Starts the pub/sub tasks once a Tokio runtime is there.
+type Starter = Box<dyn FnOnce(&tokio::runtime::Handle) + Send>;
+
 /// Waiters by channel.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct Waiters {
     slots: Mutex<HashMap<String, Slot>>,
     feeds: Vec<mpsc::UnboundedSender<Command>>,
+    /// The pub/sub tasks not started yet (the client was built outside a runtime).
+    starter: Mutex<Option<Starter>>,
+    /// Background releases and cleanups still running.
+    background: Arc<Background>,
+}
+
+/// A count of background tasks (releases of dropped guards, cleanups of acquisitions), so that
+/// a process can wait for them before it exits.
+#[derive(Debug, Default)]
+pub(crate) struct Background {
+    running: std::sync::atomic::AtomicUsize,
+    idle: Notify,
+}
+
+/// One background task; counted until dropped.
+#[derive(Debug)]
+pub(crate) struct Task(Arc<Background>);
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        if self
+            .0
+            .running
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel)
+            == 1
+        {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+impl Background {
+    /// Waits until no background task runs. Returns false if some still did after `limit`.
+    pub(crate) async fn settle(&self, limit: Duration) -> bool {
+        let wait = async {
+            loop {
+                let idle = self.idle.notified();
+                tokio::pin!(idle);
+                idle.as_mut().enable();
+                if self.running.load(std::sync::atomic::Ordering::Acquire) == 0 {
+                    return;
+                }
+                idle.await;
+            }
+        };
+        tokio::time::timeout(limit, wait).await.is_ok()
+    }
+}
+
+impl std::fmt::Debug for Waiters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waiters")
+            .field("feeds", &self.feeds.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Waiters {
@@ -48,11 +106,44 @@ impl Waiters {
         Arc::new(Waiters {
             slots: Mutex::default(),
             feeds,
+            starter: Mutex::default(),
+            background: Arc::default(),
         })
+    }
+
+    /// Counts a background task until the returned value is dropped.
+    pub(crate) fn task(&self) -> Task {
+        self.background
+            .running
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Task(self.background.clone())
+    }
+
+    /// The background task count.
+    pub(crate) fn background(&self) -> &Background {
+        &self.background
+    }
+
+    /// Sets what starts the pub/sub tasks, and runs it now if a runtime is there (else at the
+    /// first registration inside one): building a client never needs a runtime.
+    pub(crate) fn start_with(&self, starter: Starter) {
+        *self.starter.lock().unwrap_or_else(|e| e.into_inner()) = Some(starter);
+        self.start();
+    }
+
+    fn start(&self) {
+        let mut starter = self.starter.lock().unwrap_or_else(|e| e.into_inner());
+        if starter.is_some()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+            && let Some(start) = starter.take()
+        {
+            start(&runtime);
+        }
     }
 
     /// Registers a waiter on `channel`.
     pub(crate) fn register(self: &Arc<Self>, channel: &str) -> Waiter {
+        self.start();
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         let mut ack = None;
         let notify = match slots.get_mut(channel) {

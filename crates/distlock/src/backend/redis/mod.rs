@@ -53,37 +53,6 @@ impl<C: Conn> RedisBackend<C> {
         self.replicas = replicas;
         self
     }
-
-    /// `WAIT`s for the replicas after an acquisition, renewal or completion. An acquisition too
-    /// few acknowledge in time is released and refused; a renewal or completion is reported as
-    /// not replicated (the watchdog retries a renewal; a completion is retried within the lease).
-    async fn check_replicas(
-        &self,
-        op: &Op,
-        wanted: usize,
-        timeout: Duration,
-        release: bool,
-    ) -> Result<(), LockError> {
-        let mut conn = self.conn.clone();
-        let acknowledged: i64 = redis::cmd("WAIT")
-            .arg(wanted)
-            .arg(millis(timeout))
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| LockError::from_redis(op.name.as_str(), false, e))?;
-        let acknowledged = usize::try_from(acknowledged).unwrap_or(0);
-        if acknowledged >= wanted {
-            return Ok(());
-        }
-        if release {
-            let _ = self.release(op).await;
-        }
-        Err(LockError::NotReplicated {
-            name: op.name.as_str().to_owned(),
-            acknowledged,
-            wanted,
-        })
-    }
 }
 
 fn int(v: &Value) -> Option<i64> {
@@ -217,6 +186,86 @@ impl<C: Conn> RedisBackend<C> {
         reply.map_err(|e| LockError::from_redis(op.name.as_str(), ambiguous, e))
     }
 
+    /// Sends `cmd` and, with the replica check on, `WAIT` right behind it in one pipeline: on
+    /// the very connection that wrote. (`WAIT` counts acknowledgements of its own connection's
+    /// writes; sent separately, after a reconnect or a Sentinel switch it would go out on a
+    /// connection that wrote nothing and pass at once.) Returns the script's reply and, with the
+    /// check on, the replicas that acknowledged it (or why `WAIT` failed).
+    async fn eval_replicated(
+        &self,
+        op: &Op,
+        ambiguous: bool,
+        script: &Script,
+        cmd: Cmd,
+    ) -> Result<(Value, Option<Result<usize, LockError>>), LockError> {
+        let Some((wanted, timeout)) = self.replicas else {
+            return Ok((self.eval(op, ambiguous, script, cmd).await?, None));
+        };
+        let name = op.name.as_str();
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors()
+            .add_command(cmd)
+            .cmd("WAIT")
+            .arg(wanted)
+            .arg(millis(timeout));
+        let mut conn = self.conn.clone();
+        let mut loaded = false;
+        loop {
+            let replies: Vec<Value> = pipe
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| LockError::from_redis(name, ambiguous, e))?;
+            let [reply, waited] = <[Value; 2]>::try_from(replies)
+                .map_err(|r| LockError::protocol(name, format!("pipeline: {} replies", r.len())))?;
+            let reply = match reply {
+                Value::ServerError(error) => {
+                    let error = redis::RedisError::from(error);
+                    if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
+                        && !loaded
+                    {
+                        script
+                            .load_async(&mut conn)
+                            .await
+                            .map_err(|e| LockError::from_redis(name, false, e))?;
+                        loaded = true;
+                        continue;
+                    }
+                    return Err(LockError::from_redis(name, false, error));
+                }
+                reply => reply,
+            };
+            let acknowledged = match waited {
+                Value::Int(n) => Ok(usize::try_from(n).unwrap_or(0)),
+                Value::ServerError(error) => Err(LockError::from_redis(
+                    name,
+                    false,
+                    redis::RedisError::from(error),
+                )),
+                other => Err(LockError::protocol(name, format!("WAIT: {other:?}"))),
+            };
+            return Ok((reply, Some(acknowledged)));
+        }
+    }
+
+    /// The outcome of a write's replica check: `Ok` when enough replicas acknowledged it.
+    fn replicated(
+        &self,
+        op: &Op,
+        acknowledged: Option<Result<usize, LockError>>,
+    ) -> Result<(), LockError> {
+        match (acknowledged, self.replicas) {
+            (Some(Ok(acknowledged)), Some((wanted, _))) if acknowledged < wanted => {
+                Err(LockError::NotReplicated {
+                    name: op.name.as_str().to_owned(),
+                    acknowledged,
+                    wanted,
+                })
+            }
+            (Some(Err(error)), _) => Err(error),
+            _ => Ok(()),
+        }
+    }
+
     /// An exclusive acquisition without a fencing token: `SET NX PX`, and `PTTL` for the case
     /// it is held, in one round trip and no script.
     async fn acquire_unfenced(&self, op: &Op) -> Result<Attempt, LockError> {
@@ -270,15 +319,23 @@ impl<C: Conn> Backend for RedisBackend<C> {
         Box::pin(async move {
             let keys = [op.name.lock_key(), op.name.state_key()];
             let name = op.name.as_str();
-            let attempt = match &op.mode {
-                Mode::Exclusive if !op.fencing => self.acquire_unfenced(op).await?,
+            let (attempt, acknowledged) = match &op.mode {
+                Mode::Exclusive if !op.fencing && self.replicas.is_none() => {
+                    (self.acquire_unfenced(op).await?, None)
+                }
                 Mode::Exclusive => {
                     let script = &SCRIPTS.acquire;
                     let mut cmd = evalsha(script, &keys, 3);
                     cmd.arg(op.token.as_str())
                         .arg(millis(op.lease))
                         .arg(op.state_ttl_ms());
-                    parse_acquired(name, self.eval(op, true, script, cmd).await?)?
+                    let (reply, acknowledged) = self.eval_replicated(op, true, script, cmd).await?;
+                    let attempt = match parse_acquired(name, reply)? {
+                        // The unfenced kind hands out no fence, even through the script.
+                        Attempt::Acquired { .. } if !op.fencing => Attempt::Acquired { fence: 0 },
+                        attempt => attempt,
+                    };
+                    (attempt, acknowledged)
                 }
                 Mode::Once { tag, .. } => {
                     let script = &SCRIPTS.begin;
@@ -287,7 +344,8 @@ impl<C: Conn> Backend for RedisBackend<C> {
                         .arg(millis(op.lease))
                         .arg(op.state_ttl_ms())
                         .arg(tag.as_ref());
-                    parse_attempt(name, self.eval(op, true, script, cmd).await?)?
+                    let (reply, acknowledged) = self.eval_replicated(op, true, script, cmd).await?;
+                    (parse_attempt(name, reply)?, acknowledged)
                 }
                 Mode::Reentrant { owner } => {
                     let script = &SCRIPTS.reentrant_acquire;
@@ -296,11 +354,20 @@ impl<C: Conn> Backend for RedisBackend<C> {
                         .arg(millis(op.lease))
                         .arg(op.state_ttl_ms())
                         .arg(op.token.as_str());
-                    parse_attempt(name, self.eval(op, true, script, cmd).await?)?
+                    let (reply, acknowledged) = self.eval_replicated(op, true, script, cmd).await?;
+                    (parse_attempt(name, reply)?, acknowledged)
                 }
             };
-            if let (Attempt::Acquired { .. }, Some((wanted, timeout))) = (&attempt, self.replicas) {
-                self.check_replicas(op, wanted, timeout, true).await?;
+            if let Attempt::Acquired { .. } = attempt
+                && let Err(error) = self.replicated(op, acknowledged)
+            {
+                // Too few replicas have the lock, or the check itself failed: it does not count,
+                // and it must not stay behind for a whole lease.
+                if let Err(release) = self.release(op).await {
+                    // The cleanup in the caller retries it.
+                    return Err(release.into_ambiguous_unavailable());
+                }
+                return Err(error);
             }
             Ok(attempt)
         })
@@ -328,11 +395,11 @@ impl<C: Conn> Backend for RedisBackend<C> {
                     (script, cmd)
                 }
             };
-            let reply = self.eval(op, false, script, cmd).await?;
+            let (reply, acknowledged) = self.eval_replicated(op, false, script, cmd).await?;
             let renewed = parse_flag(op.name.as_str(), "extend", reply)?;
-            if let (true, Some((wanted, timeout))) = (renewed, self.replicas) {
+            if renewed {
                 // A renewal only the master knows of is worth nothing after a failover.
-                self.check_replicas(op, wanted, timeout, false).await?;
+                self.replicated(op, acknowledged)?;
             }
             Ok(renewed)
         })
@@ -370,10 +437,10 @@ impl<C: Conn> Backend for RedisBackend<C> {
             cmd.arg(op.token.as_str())
                 .arg(record)
                 .arg(op.state_ttl_ms());
-            let reply = self.eval(op, true, script, cmd).await?;
+            let (reply, acknowledged) = self.eval_replicated(op, true, script, cmd).await?;
             let stored = parse_flag(op.name.as_str(), "complete", reply)?;
-            if let (true, Some((wanted, timeout))) = (stored, self.replicas) {
-                self.check_replicas(op, wanted, timeout, false).await?;
+            if stored {
+                self.replicated(op, acknowledged)?;
             }
             Ok(stored)
         })
@@ -398,6 +465,21 @@ impl<C: Conn> Backend for RedisBackend<C> {
 
     fn describe(&self) -> String {
         self.describe.clone()
+    }
+
+    fn check_config(&self, config: &crate::LockConfig) -> Result<(), crate::ConfigError> {
+        match self.replicas {
+            Some((_, timeout)) if timeout >= config.op_timeout() => {
+                Err(crate::ConfigError::invalid(
+                    "replicas",
+                    format!(
+                        "the WAIT timeout {timeout:?} must be below the command timeout {:?} (it is part of the same command)",
+                        config.op_timeout()
+                    ),
+                ))
+            }
+            _ => Ok(()),
+        }
     }
 }
 

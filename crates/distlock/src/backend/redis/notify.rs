@@ -47,10 +47,29 @@ pub(crate) fn spawn_notifiers(sources: Vec<Source>, op_timeout: Duration) -> Arc
         receivers.push(rx);
     }
     let waiters = Waiters::with_feeds(feeds);
-    for (source, rx) in sources.into_iter().zip(receivers) {
-        tokio::spawn(run(source, Arc::downgrade(&waiters), rx, op_timeout));
-    }
+    let weak = Arc::downgrade(&waiters);
+    waiters.start_with(Box::new(move |runtime| {
+        for (source, rx) in sources.into_iter().zip(receivers) {
+            runtime.spawn(run(source, weak.clone(), rx, op_timeout));
+        }
+    }));
     waiters
+}
+
+/// Whether a subscription was refused by the server's ACL (a user without channel rights, as
+/// with Redis 7's `acl-pubsub-default resetchannels`): retrying cannot fix it.
+fn refused(result: &Result<redis::RedisResult<()>, tokio::time::error::Elapsed>) -> bool {
+    matches!(result, Ok(Err(e)) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm))
+}
+
+/// Notifications are refused for good: says so once, and answers every subscription request
+/// with "not subscribed" (the waiters poll) until the client is gone.
+async fn refuse_forever(commands: &mut mpsc::UnboundedReceiver<Command>, error: String) {
+    tracing::warn!(
+        %error,
+        "lock notifications refused by the server (no pub/sub channel rights): waiters poll instead"
+    );
+    while commands.recv().await.is_some() {}
 }
 
 async fn run(
@@ -84,26 +103,39 @@ async fn run(
             return;
         };
         let channels = registry.channels();
-        if !channels.is_empty()
-            && !matches!(
-                tokio::time::timeout(op_timeout, sink.subscribe(&channels)).await,
-                Ok(Ok(()))
-            )
-        {
-            continue;
+        if !channels.is_empty() {
+            let subscribed = tokio::time::timeout(op_timeout, sink.subscribe(&channels)).await;
+            if refused(&subscribed) {
+                drop(registry);
+                return refuse_forever(&mut commands, format!("{subscribed:?}")).await;
+            }
+            if !matches!(subscribed, Ok(Ok(()))) {
+                // Not a hot loop: wait before connecting again.
+                drop(registry);
+                if !idle(&mut commands, backoff.next_delay()).await {
+                    return;
+                }
+                continue;
+            }
+            backoff.reset();
         }
         // Releases announced while we were not subscribed were missed: let everyone look again.
         registry.wake_all();
         drop(registry);
-        backoff.reset();
 
         loop {
             tokio::select! {
                 command = commands.recv() => match command {
                     None => return,
                     Some(Command::Subscribe(channel, ack)) => {
-                        match tokio::time::timeout(op_timeout, sink.subscribe(&channel)).await {
+                        let subscribed =
+                            tokio::time::timeout(op_timeout, sink.subscribe(&channel)).await;
+                        if refused(&subscribed) {
+                            return refuse_forever(&mut commands, format!("{subscribed:?}")).await;
+                        }
+                        match subscribed {
                             Ok(Ok(())) => {
+                                backoff.reset();
                                 let _ = ack.try_send(());
                             }
                             _ => break,
@@ -132,6 +164,9 @@ async fn run(
             }
         }
         tracing::debug!("lock notifications: connection lost, reconnecting");
+        if !idle(&mut commands, backoff.next_delay()).await {
+            return;
+        }
     }
 }
 

@@ -16,7 +16,9 @@ if redis.pcall('GET', KEYS[1]) == ARGV[1] then
   redis.call('HDEL', KEYS[2], 'm')
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
   redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', KEYS[1] .. ':rel', ARGV[1])
+  -- pcall: the write above has happened; a refused announcement (an ACL user without
+  -- channel rights) must not turn it into an error. Waiters then poll.
+  redis.pcall('PUBLISH', KEYS[1] .. ':rel', ARGV[1])
   return 1
 end
 if redis.call('HGET', KEYS[2], 'c') == ARGV[1] then

@@ -11,7 +11,9 @@ if redis.call('TYPE', KEYS[1]).ok == 'hash'
   -- o and f are the only fields left when no hold remains.
   if redis.call('HLEN', KEYS[1]) <= 2 then
     redis.call('DEL', KEYS[1])
-    redis.call('PUBLISH', KEYS[1] .. ':rel', ARGV[2])
+    -- pcall: the write above has happened; a refused announcement (an ACL user without
+    -- channel rights) must not turn it into an error. Waiters then poll.
+    redis.pcall('PUBLISH', KEYS[1] .. ':rel', ARGV[2])
   end
   return 1
 end

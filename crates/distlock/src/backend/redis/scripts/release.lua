@@ -9,7 +9,9 @@
 -- someone else after it expired): then nothing is touched.
 if redis.pcall('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', KEYS[1] .. ':rel', ARGV[1])
+  -- pcall: the write above has happened; a refused announcement (an ACL user without
+  -- channel rights) must not turn it into an error. Waiters then poll.
+  redis.pcall('PUBLISH', KEYS[1] .. ':rel', ARGV[1])
   return 1
 end
 return 0

@@ -1,0 +1,364 @@
+//! Faults of the replies, not only of the server: a TCP proxy (`testkit::FaultProxy`) between
+//! the lock and Redis delays replies, drops a reply after its command ran, or black-holes the
+//! connection. The commands still run on the server; only the client's knowledge is hurt.
+//!
+//! * validity is counted from when a command was *sent*: with late replies the lease a holder
+//!   believes in never outlasts the key in Redis;
+//! * an acquisition whose reply is lost is ambiguous and cleaned up;
+//! * a completion whose reply is lost is recognised when retried;
+//! * a dropped acquisition future (the caller gave up) frees what it may have taken;
+//! * the replica check (`WAIT`) runs on the connection that wrote.
+
+use std::time::{Duration, Instant};
+
+use distlock::{Begin, LockClient, LockConfig, LockError};
+use redis::AsyncCommands;
+use testkit::{FaultProxy, RedisServer, ServerOptions};
+
+fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
+}
+
+async fn client_via(proxy: &FaultProxy, prefix: &str, config: LockConfig) -> LockClient {
+    let client = LockClient::builder()
+        .config(config)
+        .prefix(prefix)
+        .unwrap()
+        .connect(&proxy.url())
+        .unwrap();
+    client
+        .prepare()
+        .await
+        .expect("redis answers through the proxy");
+    client
+}
+
+/// Polls `check` every 10 ms until it holds or `limit` passes.
+async fn eventually<F, Fut>(limit: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if check().await {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(ms(10)).await;
+    }
+}
+
+async fn exists(server: &RedisServer, key: &str) -> bool {
+    let mut c = server.connection().await;
+    c.exists(key).await.unwrap()
+}
+
+/// Whether `key` is gone within `limit`.
+async fn gone_within(server: &RedisServer, key: &str, limit: Duration) -> bool {
+    eventually(limit, || async { !exists(server, key).await }).await
+}
+
+/// The key's expiry in Redis, as an interval of this process's clock that contains it.
+async fn key_expiry(server: &RedisServer, key: &str) -> Option<(Instant, Instant)> {
+    let mut c = server.connection().await;
+    let before = Instant::now();
+    let pttl: i64 = c.pttl(key).await.unwrap();
+    let after = Instant::now();
+    (pttl >= 0).then(|| {
+        let pttl = ms(pttl as u64);
+        // Redis reports whole milliseconds, rounded down.
+        (before + pttl, after + pttl + ms(1))
+    })
+}
+
+/// Replies come 200 ms late (the commands run on time). The lease the holder believes in,
+/// `valid_until`, must never end after the key does in Redis: validity is counted from when the
+/// acquisition or renewal was sent. Counting from the reply would put `valid_until` about
+/// 200 ms past the key's expiry after every confirmation, which this test samples.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn validity_is_counted_from_when_the_command_was_sent() {
+    let server = RedisServer::start_owned().await;
+    let proxy = FaultProxy::start(&server).await;
+    let prefix = testkit::unique_prefix("sent");
+    let config = LockConfig::builder()
+        .lease(ms(900))
+        .op_timeout(ms(220))
+        .build()
+        .unwrap();
+    let client = client_via(&proxy, &prefix, config).await;
+    let lock = client.lock("k").unwrap();
+    proxy.delay_replies(ms(200));
+    let guard = lock.try_acquire().await.unwrap();
+    let key = lock.name().lock_key().to_owned();
+    let mut samples = 0;
+    let until = Instant::now() + ms(1_500);
+    while Instant::now() < until {
+        let believed = guard.lease().valid_until();
+        if let Some((_, latest)) = key_expiry(&server, &key).await {
+            assert!(
+                believed <= latest,
+                "the holder believes in its lease {:?} after the key expires in Redis",
+                believed - latest
+            );
+            samples += 1;
+        }
+        tokio::time::sleep(ms(5)).await;
+    }
+    assert!(samples > 50, "sampled {samples} times");
+    assert!(guard.is_held(), "renewals with late replies keep the lease");
+    proxy.heal();
+    assert!(guard.release().await.unwrap());
+}
+
+/// The acquisition ran but its reply was lost with the connection: the caller gets an ambiguous
+/// `Unavailable`, and the lock the attempt took is deleted long before its 30 s lease ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_acquisition_reply_is_ambiguous_and_cleaned_up() {
+    let server = RedisServer::start_owned().await;
+    let proxy = FaultProxy::start(&server).await;
+    let prefix = testkit::unique_prefix("lost-acquire");
+    let config = LockConfig::builder()
+        .lease(Duration::from_secs(30))
+        .op_timeout(ms(300))
+        .build()
+        .unwrap();
+    let client = client_via(&proxy, &prefix, config).await;
+    let lock = client.lock("k").unwrap();
+    let key = lock.name().lock_key().to_owned();
+    proxy.drop_next_replies(1);
+    match lock.try_acquire().await {
+        Err(LockError::Unavailable { ambiguous, .. }) => assert!(ambiguous),
+        other => panic!("expected an ambiguous Unavailable, got {other:?}"),
+    }
+    assert_eq!(proxy.dropped(), 1);
+    assert!(
+        gone_within(&server, &key, Duration::from_secs(2)).await,
+        "the lock taken by the attempt whose reply was lost is deleted"
+    );
+}
+
+/// A completion ran but its reply was lost: the retry (on a new connection) is recognised as
+/// the same completion, `complete` succeeds, and the record is what later callers get.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_completion_reply_is_recognised_on_retry() {
+    let server = RedisServer::start_owned().await;
+    let proxy = FaultProxy::start(&server).await;
+    let prefix = testkit::unique_prefix("lost-complete");
+    let config = LockConfig::builder()
+        .lease(ms(3_000))
+        .op_timeout(ms(300))
+        .build()
+        .unwrap();
+    let client = client_via(&proxy, &prefix, config).await;
+    let once = client.once("evt").unwrap();
+    let Begin::Acquired(guard) = once.begin("tag").await.unwrap() else {
+        panic!("free")
+    };
+    proxy.drop_next_replies(1);
+    guard
+        .complete(b"record")
+        .await
+        .expect("the completion happened: a lost reply is not a failure");
+    assert_eq!(proxy.dropped(), 1);
+    match once.begin("tag").await.unwrap() {
+        Begin::Done(record) => assert_eq!(&record[..], b"record"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The caller gives up (drops the future) after the acquisition was sent but before its reply
+/// came: the lock the command took is freed within a second, not at the end of its 30 s lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_acquisition_future_frees_the_lock() {
+    let server = RedisServer::start_owned().await;
+    let proxy = FaultProxy::start(&server).await;
+    let prefix = testkit::unique_prefix("dropped-acquire");
+    let config = LockConfig::builder()
+        .lease(Duration::from_secs(30))
+        .op_timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let client = client_via(&proxy, &prefix, config).await;
+    for kind in ["lock", "once"] {
+        let name = format!("k-{kind}");
+        let lock_name = client.lock(&name).unwrap().name().clone();
+        let (key, state) = (lock_name.lock_key(), lock_name.state_key());
+        proxy.delay_replies(ms(1_500));
+        let attempt = async {
+            match kind {
+                "lock" => client
+                    .lock(&name)
+                    .unwrap()
+                    .acquire(Duration::from_secs(10))
+                    .await
+                    .map(drop),
+                _ => client.once(&name).unwrap().begin("t").await.map(drop),
+            }
+        };
+        assert!(
+            tokio::time::timeout(ms(300), attempt).await.is_err(),
+            "the caller gave up before the reply"
+        );
+        // The acquisition ran (it drew a fence), whether or not its lock is still there.
+        assert!(exists(&server, state).await, "{kind}: the command ran");
+        let given_up = Instant::now();
+        assert!(
+            gone_within(&server, key, Duration::from_secs(1)).await,
+            "{kind}: the lock is still held {:?} after the caller gave up",
+            given_up.elapsed()
+        );
+        proxy.heal();
+    }
+}
+
+/// Redlock: the same, for a fan-out that was dropped while every node's reply was late.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_redlock_acquisition_frees_every_node() {
+    let servers = RedisServer::start_many(3).await;
+    let mut proxies = Vec::new();
+    for s in &servers {
+        proxies.push(FaultProxy::start(s).await);
+    }
+    let prefix = testkit::unique_prefix("dropped-redlock");
+    let config = LockConfig::builder()
+        .lease(Duration::from_secs(30))
+        .op_timeout(Duration::from_secs(6))
+        .build()
+        .unwrap();
+    let urls: Vec<String> = proxies.iter().map(FaultProxy::url).collect();
+    let client = LockClient::builder()
+        .config(config)
+        .prefix(&prefix)
+        .unwrap()
+        .node_timeout(Duration::from_secs(2))
+        .connect_redlock(&urls)
+        .unwrap();
+    client.prepare().await.unwrap();
+    let lock = client.lock("k").unwrap();
+    let key = lock.name().lock_key().to_owned();
+    let state = lock.name().state_key().to_owned();
+    for p in &proxies {
+        p.delay_replies(ms(1_500));
+    }
+    assert!(
+        tokio::time::timeout(ms(300), lock.acquire(Duration::from_secs(10)))
+            .await
+            .is_err()
+    );
+    let mut held = 0;
+    for s in &servers {
+        held += usize::from(exists(s, &state).await);
+    }
+    assert_eq!(
+        held, 3,
+        "the acquisition ran on every node (each drew a fence)"
+    );
+    for s in &servers {
+        assert!(
+            gone_within(s, &key, Duration::from_secs(1)).await,
+            "a node still holds the lock of a dropped acquisition"
+        );
+    }
+}
+
+/// The replica check must wait for the write it checks. A replica that cannot acknowledge
+/// (frozen) and a connection cut right after the acquisition's reply: `WAIT` sent afterwards
+/// on a new connection has nothing of its own to wait for and would count the replica at once.
+/// The acquisition must not succeed, and the lock it took must not stay behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replica_check_waits_on_the_connection_that_wrote() {
+    let master = RedisServer::start_owned().await;
+    let replica = RedisServer::start_with(
+        ServerOptions::default()
+            .arg("--replicaof")
+            .arg("127.0.0.1")
+            .arg(master.port().to_string()),
+    )
+    .await;
+    let mut m = master.connection().await;
+    let synced = eventually(Duration::from_secs(10), || {
+        let mut m = m.clone();
+        async move {
+            let info: String = redis::cmd("INFO")
+                .arg("replication")
+                .query_async(&mut m)
+                .await
+                .unwrap();
+            info.contains("state=online")
+        }
+    })
+    .await;
+    assert!(synced, "the replica is in sync");
+    let proxy = FaultProxy::start(&master).await;
+    let prefix = testkit::unique_prefix("wait-fresh");
+    let config = LockConfig::builder()
+        .lease(Duration::from_secs(30))
+        .op_timeout(ms(600))
+        .build()
+        .unwrap();
+    let client = LockClient::builder()
+        .config(config)
+        .prefix(&prefix)
+        .unwrap()
+        .replicas(1, ms(200))
+        .unwrap()
+        .connect(&proxy.url())
+        .unwrap();
+    client.prepare().await.unwrap();
+    let lock = client.lock("k").unwrap();
+    let key = lock.name().lock_key().to_owned();
+    replica.pause().await;
+    // The acquisition script's reply arrives, and its connection is cut right after it.
+    proxy.cut_after_next_replies(1);
+    let outcome = lock.try_acquire().await;
+    let _: () = redis::cmd("PING").query_async(&mut m).await.unwrap();
+    replica.resume().await;
+    assert!(
+        outcome.is_err(),
+        "the replica never acknowledged the lock, yet the acquisition succeeded"
+    );
+    assert!(
+        gone_within(&master, &key, Duration::from_secs(1)).await,
+        "the lock of a failed replica check stays behind: {outcome:?}"
+    );
+}
+
+/// A `WAIT` that fails after the lock was set must release it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_replica_check_releases_the_lock() {
+    let server = RedisServer::start_owned().await;
+    let mut admin = server.connection().await;
+    // A user that may do everything except WAIT: the check fails after the lock was set.
+    let _: () = redis::cmd("ACL")
+        .arg(&[
+            "SETUSER", "nowait", "on", ">pw", "~*", "&*", "+@all", "-wait",
+        ])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let prefix = testkit::unique_prefix("wait-error");
+    let config = LockConfig::builder()
+        .lease(Duration::from_secs(30))
+        .op_timeout(ms(500))
+        .build()
+        .unwrap();
+    let client = LockClient::builder()
+        .config(config)
+        .prefix(&prefix)
+        .unwrap()
+        .replicas(1, ms(100))
+        .unwrap()
+        .connect(&format!("redis://nowait:pw@127.0.0.1:{}/", server.port()))
+        .unwrap();
+    client.prepare().await.unwrap();
+    let lock = client.lock("k").unwrap();
+    let key = lock.name().lock_key().to_owned();
+    assert!(lock.try_acquire().await.is_err());
+    assert!(
+        gone_within(&server, &key, Duration::from_secs(1)).await,
+        "the lock stays behind after the replica check failed"
+    );
+}

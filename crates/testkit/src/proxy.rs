@@ -1,0 +1,361 @@
+//! A TCP fault proxy between a client and Redis: it forwards bytes both ways, and on request
+//! delays the server's replies, drops a reply after the command ran (and cuts the connection,
+//! as a network failure would), or black-holes connections (nothing passes either way, the
+//! sockets stay open). Commands always reach the server unless the connection is black-holed:
+//! a dropped or late reply means a command whose outcome the client cannot know.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, mpsc};
+
+use crate::HarnessError;
+
+#[derive(Debug, Default)]
+struct Faults {
+    /// Every reply chunk is held this long before it is forwarded.
+    delay: Duration,
+    /// Reply chunks still to drop; dropping one also cuts that connection.
+    drop_replies: usize,
+    /// Reply chunks still to forward before cutting their connection.
+    cut_after: usize,
+    /// Nothing is forwarded in either direction.
+    blackhole: bool,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    faults: Mutex<Faults>,
+    /// Connections accepted so far.
+    accepted: AtomicUsize,
+    /// Replies dropped so far.
+    dropped: AtomicUsize,
+    /// Connections accepted before this count are hung for good.
+    hung_below: AtomicUsize,
+    /// Fired to cut every open connection.
+    cut: Notify,
+    /// Fired when the faults change (a black hole ends).
+    changed: Notify,
+}
+
+/// A fault proxy on a free loopback port in front of `upstream` (`host:port`). Stops (and cuts
+/// every connection) when dropped.
+///
+/// ```no_run
+/// # #[tokio::main]
+/// # async fn main() {
+/// let server = testkit::RedisServer::start_owned().await;
+/// let proxy = testkit::FaultProxy::start(&server).await;
+/// proxy.delay_replies(std::time::Duration::from_millis(200)); // every reply 200 ms late
+/// proxy.drop_next_replies(1); // the next reply is lost, its connection cut
+/// proxy.blackhole(true); // nothing passes, the sockets stay open
+/// proxy.heal();
+/// let client = redis::Client::open(proxy.url()).unwrap();
+/// # drop(client);
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct FaultProxy {
+    port: u16,
+    shared: Arc<Shared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FaultProxy {
+    /// A proxy in front of `server`.
+    pub async fn start(server: &crate::RedisServer) -> Self {
+        Self::to(format!("127.0.0.1:{}", server.port()))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// A proxy in front of `upstream` (`host:port`).
+    pub async fn to(upstream: String) -> Result<Self, HarnessError> {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| HarnessError(format!("proxy: cannot bind a loopback port: {e}")))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| HarnessError(e.to_string()))?
+            .port();
+        let shared = Arc::new(Shared::default());
+        let task = tokio::spawn(accept(listener, upstream, shared.clone()));
+        Ok(FaultProxy { port, shared, task })
+    }
+
+    /// The proxy's port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The URL a Redis client connects to.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// Holds every reply `delay` before forwarding it (commands pass at once: the server runs
+    /// them on time, the client learns late). Zero ends it.
+    pub fn delay_replies(&self, delay: Duration) {
+        self.faults().delay = delay;
+        self.shared.changed.notify_waiters();
+    }
+
+    /// Drops the next `n` replies after their commands ran, cutting each such connection.
+    pub fn drop_next_replies(&self, n: usize) {
+        self.faults().drop_replies = n;
+    }
+
+    /// Forwards the next `n` replies, cutting each one's connection right after it: the client
+    /// got its answer, and its next command needs a new connection.
+    pub fn cut_after_next_replies(&self, n: usize) {
+        self.faults().cut_after = n;
+    }
+
+    /// Stops (or resumes) forwarding anything, in either direction; connections stay open, so
+    /// the client sees neither an answer nor an error. New connections are accepted and
+    /// black-holed too.
+    pub fn blackhole(&self, on: bool) {
+        self.faults().blackhole = on;
+        self.shared.changed.notify_waiters();
+    }
+
+    /// Hangs every connection open now, for good: nothing passes on them any more, and they
+    /// stay open (a frozen server, or a network path that drops everything, as the client
+    /// sees it). New connections pass.
+    pub fn hang_open_connections(&self) {
+        let open = self.shared.accepted.load(Ordering::SeqCst);
+        self.shared.hung_below.store(open, Ordering::SeqCst);
+        self.shared.changed.notify_waiters();
+    }
+
+    /// Cuts every open connection (new ones are accepted).
+    pub fn cut_all(&self) {
+        self.shared.cut.notify_waiters();
+    }
+
+    /// Ends every fault.
+    pub fn heal(&self) {
+        *self.faults() = Faults::default();
+        self.shared.changed.notify_waiters();
+    }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> usize {
+        self.shared.accepted.load(Ordering::SeqCst)
+    }
+
+    /// Replies dropped so far.
+    pub fn dropped(&self) -> usize {
+        self.shared.dropped.load(Ordering::SeqCst)
+    }
+
+    fn faults(&self) -> std::sync::MutexGuard<'_, Faults> {
+        self.shared.faults.lock().unwrap()
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+        self.shared.cut.notify_waiters();
+    }
+}
+
+async fn accept(listener: TcpListener, upstream: String, shared: Arc<Shared>) {
+    loop {
+        let Ok((client, _)) = listener.accept().await else {
+            continue;
+        };
+        let id = shared.accepted.fetch_add(1, Ordering::SeqCst);
+        let upstream = upstream.clone();
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let Ok(server) = TcpStream::connect(&upstream).await else {
+                return;
+            };
+            let _ = client.set_nodelay(true);
+            let _ = server.set_nodelay(true);
+            let cut = shared.cut.notified();
+            tokio::pin!(cut);
+            cut.as_mut().enable();
+            tokio::select! {
+                () = pump(client, server, shared.clone(), id) => {}
+                () = cut => {}
+            }
+        });
+    }
+}
+
+/// Forwards both ways until either side closes or a dropped reply cuts the connection.
+async fn pump(client: TcpStream, server: TcpStream, shared: Arc<Shared>, id: usize) {
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    // Set when this connection is to be cut after a reply: nothing more goes to the server.
+    let cutting = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (replies, mut queued) = mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>, bool)>();
+    let commands = {
+        let shared = shared.clone();
+        let cutting = cutting.clone();
+        async move {
+            let mut buf = vec![0u8; 16 * 1024];
+            loop {
+                let n = match client_read.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                wait_while_blackholed(&shared, id).await;
+                if cutting.load(Ordering::SeqCst) {
+                    std::future::pending::<()>().await;
+                }
+                if server_write.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+        }
+    };
+    let from_server = {
+        let shared = shared.clone();
+        async move {
+            let mut buf = vec![0u8; 16 * 1024];
+            loop {
+                let n = match server_read.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                let (delay, cut) = {
+                    let mut faults = shared.faults.lock().unwrap();
+                    if faults.drop_replies > 0 {
+                        faults.drop_replies -= 1;
+                        shared.dropped.fetch_add(1, Ordering::SeqCst);
+                        // The command ran; its reply is lost with the connection.
+                        return;
+                    }
+                    let cut = faults.cut_after > 0;
+                    if cut {
+                        faults.cut_after -= 1;
+                        cutting.store(true, Ordering::SeqCst);
+                    }
+                    (faults.delay, cut)
+                };
+                let due = tokio::time::Instant::now() + delay;
+                if replies.send((due, buf[..n].to_vec(), cut)).is_err() {
+                    return;
+                }
+                if cut {
+                    // The reply goes out, then the connection ends (see `to_client`).
+                    std::future::pending::<()>().await;
+                }
+            }
+        }
+    };
+    let to_client = {
+        let shared = shared.clone();
+        async move {
+            while let Some((due, bytes, cut)) = queued.recv().await {
+                tokio::time::sleep_until(due).await;
+                wait_while_blackholed(&shared, id).await;
+                if client_write.write_all(&bytes).await.is_err() || cut {
+                    let _ = client_write.flush().await;
+                    return;
+                }
+            }
+        }
+    };
+    tokio::select! {
+        () = commands => {}
+        () = from_server => {}
+        () = to_client => {}
+    }
+}
+
+async fn wait_while_blackholed(shared: &Shared, id: usize) {
+    loop {
+        let changed = shared.changed.notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        let hung = id < shared.hung_below.load(Ordering::SeqCst);
+        if !hung && !shared.faults.lock().unwrap().blackhole {
+            return;
+        }
+        changed.await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn conn(proxy: &FaultProxy) -> redis::aio::MultiplexedConnection {
+        let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
+        redis::Client::open(proxy.url())
+            .unwrap()
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn delays_drops_and_black_holes_replies_but_not_commands() {
+        let server = crate::RedisServer::start_owned().await;
+        let proxy = FaultProxy::start(&server).await;
+        let mut c = conn(&proxy).await;
+        let mut direct = server.connection().await;
+
+        proxy.delay_replies(Duration::from_millis(300));
+        let started = std::time::Instant::now();
+        let _: () = redis::cmd("SET")
+            .arg("k")
+            .arg("1")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        assert!(
+            started.elapsed() >= Duration::from_millis(300),
+            "the reply was late"
+        );
+        proxy.heal();
+
+        proxy.drop_next_replies(1);
+        let lost: redis::RedisResult<()> = redis::cmd("SET")
+            .arg("k")
+            .arg("2")
+            .query_async(&mut c)
+            .await;
+        assert!(lost.is_err(), "the reply was dropped");
+        let value: String = redis::cmd("GET")
+            .arg("k")
+            .query_async(&mut direct)
+            .await
+            .unwrap();
+        assert_eq!(value, "2", "but the command ran");
+        assert_eq!(proxy.dropped(), 1);
+
+        let mut c = conn(&proxy).await;
+        proxy.blackhole(true);
+        let silent = tokio::time::timeout(
+            Duration::from_millis(300),
+            redis::cmd("SET")
+                .arg("k")
+                .arg("3")
+                .query_async::<()>(&mut c),
+        )
+        .await;
+        assert!(silent.is_err(), "no answer and no error while black-holed");
+        let value: String = redis::cmd("GET")
+            .arg("k")
+            .query_async(&mut direct)
+            .await
+            .unwrap();
+        assert_eq!(value, "2", "and the command did not reach the server");
+        proxy.heal();
+        let value: String = redis::cmd("GET")
+            .arg("k")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        assert_eq!(value, "3", "held commands pass once the black hole ends");
+    }
+}
