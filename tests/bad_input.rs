@@ -13,7 +13,7 @@ use axum::http::{HeaderValue, Request, StatusCode};
 use axum::routing::post;
 use bytes::Bytes;
 use support::{TestStore, send};
-use tower_idempotency::{IdempotencyLayer, Store, key};
+use tower_idempotency::{IdempotencyLayer, KeySourceExt, Store, key};
 
 fn router(store: &Store, runs: Arc<AtomicUsize>) -> Router {
     let handler = move || {
@@ -47,7 +47,39 @@ fn router(store: &Store, runs: Arc<AtomicUsize>) -> Router {
             "/f",
             post(handler.clone()).layer(with(Box::new(key::form("email")))),
         )
-        .route("/q", post(handler).layer(with(Box::new(key::query("txn")))))
+        .route(
+            "/q",
+            post(handler.clone()).layer(with(Box::new(key::query("txn")))),
+        )
+        .route(
+            "/o",
+            post(handler.clone()).layer(with(Box::new(
+                key::json("/id").unwrap().or(key::form("email")),
+            ))),
+        )
+        .route(
+            "/p/{id}",
+            post(handler.clone()).layer(with(Box::new(key::path("id")))),
+        )
+        .route(
+            "/u",
+            post(handler).layer(
+                IdempotencyLayer::builder(store.clone())
+                    .secret(support::SECRET)
+                    .unwrap()
+                    .principal(tower_idempotency::principal::claim("sub"))
+                    .build()
+                    .unwrap(),
+            ),
+        )
+}
+
+fn to(path: &str, content_type: &str, body: &'static str) -> Request<Body> {
+    Request::post(path)
+        .header("content-type", content_type)
+        .header("idempotency-key", "k")
+        .body(Body::from(body))
+        .unwrap()
 }
 
 fn header(values: &[&[u8]], body: Body) -> Request<Body> {
@@ -405,6 +437,66 @@ fn cases() -> Vec<(&'static str, Request<Body>, StatusCode, &'static str)> {
             S::BAD_REQUEST,
             "invalid-key",
         ),
+        // Keys valid for one source and not the other: a source that applies and finds a
+        // malformed key answers; one that does not apply falls through.
+        (
+            "or: JSON id is a number (applies, malformed)",
+            to("/o", "application/json", r#"{"id":7,"email":"a@b.c"}"#),
+            S::BAD_REQUEST,
+            "invalid-key",
+        ),
+        (
+            "or: JSON without id, form does not apply",
+            to("/o", "application/json", r#"{"email":"a@b.c"}"#),
+            S::BAD_REQUEST,
+            "missing-key",
+        ),
+        (
+            "or: form with an empty email",
+            to("/o", "application/x-www-form-urlencoded", "email="),
+            S::BAD_REQUEST,
+            "invalid-key",
+        ),
+        (
+            "or: neither source applies",
+            to("/o", "text/plain", "id=1"),
+            S::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported-media-type",
+        ),
+        (
+            "or: malformed JSON",
+            to("/o", "application/json", r#"{"id":"#),
+            S::BAD_REQUEST,
+            "malformed-body",
+        ),
+        // Percent-encoded path keys.
+        (
+            "path: not UTF-8 once decoded",
+            to("/p/%FF%FE", "text/plain", ""),
+            S::BAD_REQUEST,
+            "invalid-key",
+        ),
+        (
+            "path: a control character once decoded",
+            to("/p/a%00b", "text/plain", ""),
+            S::BAD_REQUEST,
+            "invalid-key",
+        ),
+        (
+            "path: over 255 characters once decoded",
+            Request::post(format!("/p/{}", "%41".repeat(256)))
+                .body(Body::empty())
+                .unwrap(),
+            S::BAD_REQUEST,
+            "invalid-key",
+        ),
+        // Keys scoped to a principal the request does not have.
+        (
+            "principal missing",
+            to("/u", "application/json", "{}"),
+            S::INTERNAL_SERVER_ERROR,
+            "principal-missing",
+        ),
     ]
 }
 
@@ -414,7 +506,7 @@ async fn every_malformed_request_is_refused(s: TestStore) {
     let runs = Arc::new(AtomicUsize::new(0));
     let app = router(&s.store, runs.clone());
     let cases = cases();
-    assert!(cases.len() >= 40, "{} cases", cases.len());
+    assert!(cases.len() >= 59, "{} cases", cases.len());
     for (what, request, status, slug) in cases {
         let reply = send(&app, request).await;
         assert_eq!(reply.status, status, "{what}: {reply:?}");

@@ -522,7 +522,7 @@ async fn streamed_bodies_are_forwarded_and_stored(s: TestStore) {
 async fn a_lost_lease_stores_nothing(s: TestStore) {
     // No renewal and a short lease: a slow handler outlives its lease.
     let lock = distlock::LockConfig::builder()
-        .lease(Duration::from_millis(200))
+        .lease(Duration::from_millis(600))
         .watchdog(false)
         .build()
         .unwrap();

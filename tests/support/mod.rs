@@ -472,9 +472,10 @@ impl TestStore {
         let client = LockClient::builder()
             .prefix(&testkit::unique_prefix(test))
             .unwrap()
-            // Below the command timeout of the suite's shortest lock (a 200 ms lease: 43 ms),
-            // which distlock now checks for every lock configuration.
-            .replicas(replicas, std::time::Duration::from_millis(30))
+            // Below the command timeout of the suite's shortest lock (a 600 ms lease: 130 ms),
+            // which distlock checks for every lock configuration; long enough for replicas on
+            // a loaded 2-core machine.
+            .replicas(replicas, std::time::Duration::from_millis(100))
             .unwrap()
             .sentinel(&group.sentinel_urls(), testkit::SENTINEL_SERVICE)
             .unwrap();
