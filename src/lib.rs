@@ -51,6 +51,41 @@
 //! them. With the store unreachable the layer fails closed (503) unless built with
 //! [`fail_open`](IdempotencyLayerBuilder::fail_open).
 //!
+//! # Where to put it
+//!
+//! * **After authentication** (authentication is an outer layer), so the
+//!   [`principal`] is there to scope keys with.
+//! * **Inside compression** (tower-http's `CompressionLayer` is an outer layer): records are
+//!   stored uncompressed and each replay is compressed for the client that asks. With
+//!   compression inside, a stored body is replayed only to retries that negotiate the same
+//!   encoding (its `Vary`); others get 406.
+//! * On **the routes it protects**: `post(handler).route_layer(layer)` keeps axum's 405 for
+//!   methods a route does not have; under `Router::layer` (or `Router::route_layer`) axum
+//!   layers its 405 fallback too, and a covered method gets the layer's answer instead.
+//!   Requests that match no route pass through either way (axum's 404).
+//! * Timeouts **outside**: a `TimeoutLayer` outside answers the client and leaves the handler to
+//!   finish and store its outcome; inside, it cancels the handler, whose outcome is then
+//!   unknown ([`UnknownOutcome`]).
+//!
+//! ```no_run
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # use axum::{Router, routing::post};
+//! # use tower_idempotency::{IdempotencyLayer, Store, principal};
+//! # #[derive(Clone)] struct User { id: String }
+//! # async fn create_order() {}
+//! # let auth = tower::layer::util::Identity::new();
+//! let idempotency = IdempotencyLayer::builder(Store::redis("redis://127.0.0.1:6379/")?)
+//!     .secret(std::env::var("IDEMPOTENCY_SECRET")?)?
+//!     .principal(principal::extension(|u: &User| u.id.clone()))
+//!     .build()?;
+//! let app: Router = Router::new()
+//!     .route("/orders", post(create_order).route_layer(idempotency))
+//!     .layer(auth) // your authentication layer: it runs first and inserts the User
+//!     .layer(tower_http::compression::CompressionLayer::new());
+//! # Ok(()) }
+//! ```
+//!
 //! # What it guarantees
 //!
 //! * Concurrent duplicates (same key, any instance sharing the store) run the handler **at most
