@@ -13,9 +13,11 @@
 //! complete at once (the common case: JSON built in memory) is stored and sent whole; any other
 //! body is forwarded frame by frame as it comes, and kept for the record as it passes.
 //!
-//! With [`cancel_on_disconnect`](crate::IdempotencyLayerBuilder::cancel_on_disconnect) the
-//! task is aborted when the client goes away before the body ended: the handler is cancelled
-//! and the key released (for handlers known to be cancel-safe).
+//! With [`cancel_on_disconnect`](crate::IdempotencyLayerBuilder::cancel_on_disconnect) nothing
+//! is spawned: the response future drives the execution until the head is known, then hands
+//! it to the response body, which drives it while the client reads. The client going away
+//! drops it: the handler is cancelled and the key released (for handlers known to be
+//! cancel-safe).
 
 use std::any::Any;
 use std::future::{Future, poll_fn};
@@ -32,7 +34,7 @@ use tracing::Instrument;
 
 use crate::Outcome;
 use crate::begin::Run;
-use crate::body::{AbortOnDrop, BoxError, Feed, Message, ResponseBody};
+use crate::body::{BoxError, Feed, Message, ResponseBody};
 use crate::complete;
 use crate::metrics::Event;
 
@@ -49,18 +51,22 @@ pub(crate) enum Finished<B, E> {
     Panic(Box<dyn Any + Send>),
 }
 
-/// A started execution: its result, and the abort handle when the client going away cancels it.
+/// An execution driven by whoever holds it (not spawned): dropping it cancels it.
+pub(crate) type Driver = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// A started execution: its result, and its driver when it runs inline.
 pub(crate) struct Started<B, E> {
     pub(crate) result: oneshot::Receiver<Finished<B, E>>,
-    pub(crate) abort: AbortOnDrop,
+    pub(crate) driver: Option<Driver>,
 }
 
 /// The most read from a body before its head goes out: a body complete within it is stored and
 /// sent whole; a longer one is forwarded frame by frame.
 const WHOLE_LIMIT: usize = 64 * 1024;
 
-/// Spawns the execution of `future` (the handler, just called) under `run`'s lease. `None`
-/// outside a Tokio runtime (the future is dropped unpolled; the lease is released).
+/// Starts the execution of `future` (the handler, just called) under `run`'s lease: spawned
+/// (the default), or inline for `cancel_on_disconnect`. `None` when it should be spawned and
+/// there is no Tokio runtime (the future is dropped unpolled; the lease is released).
 pub(crate) fn start<F, B, E>(future: F, run: Box<Run>) -> Option<Started<B, E>>
 where
     F: Future<Output = Result<Response<B>, E>> + Send + 'static,
@@ -69,14 +75,21 @@ where
     B::Error: Into<BoxError>,
     E: Send + 'static,
 {
-    let runtime = tokio::runtime::Handle::try_current().ok()?;
     let (reply, result) = oneshot::channel();
-    let cancel = run.config.cancel_on_disconnect;
+    let inline = run.config.cancel_on_disconnect;
     let span = run.span.clone();
-    let task = runtime.spawn(execute(future, *run, reply).instrument(span));
+    let execution = execute(future, *run, reply).instrument(span);
+    if inline {
+        return Some(Started {
+            result,
+            driver: Some(Box::pin(execution)),
+        });
+    }
+    let runtime = tokio::runtime::Handle::try_current().ok()?;
+    runtime.spawn(execution);
     Some(Started {
         result,
-        abort: AbortOnDrop(cancel.then(|| task.abort_handle())),
+        driver: None,
     })
 }
 

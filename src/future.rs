@@ -28,8 +28,8 @@ use tower_service::Service;
 
 use crate::Rejection;
 use crate::begin::{Decision, Run};
-use crate::body::{AbortOnDrop, BoxError, RequestBody, ResponseBody};
-use crate::execution::{self, Finished, Started};
+use crate::body::{BoxError, RequestBody, ResponseBody};
+use crate::execution::{self, Driver, Finished, Started};
 use crate::layer::Config;
 use crate::replay::problem;
 
@@ -57,7 +57,9 @@ pin_project! {
         Unprotected { #[pin] future: S::Future },
         Running {
             result: oneshot::Receiver<Finished<ResBody, S::Error>>,
-            abort: AbortOnDrop,
+            // The execution, when it runs inline (`cancel_on_disconnect`): driven here until
+            // its head is known, then by the response body; dropping it cancels it.
+            driver: Option<Driver>,
             fence: u64,
             config: Arc<Config>,
         },
@@ -172,10 +174,10 @@ where
                             let fence = run.guard.fence();
                             let config = run.config.clone();
                             match execution::start(future, run) {
-                                Some(Started { result, abort }) => {
+                                Some(Started { result, driver }) => {
                                     this.state.set(State::Running {
                                         result,
-                                        abort,
+                                        driver,
                                         fence,
                                         config,
                                     });
@@ -201,18 +203,28 @@ where
                 }
                 StateProj::Running {
                     result,
-                    abort,
+                    driver,
                     fence,
                     config,
                 } => {
+                    if let Some(execution) = driver
+                        && execution.as_mut().poll(cx).is_ready()
+                    {
+                        *driver = None;
+                    }
                     let finished = ready!(Pin::new(result).poll(cx));
-                    let abort = std::mem::take(abort);
+                    let driver = driver.take();
                     let fence = *fence;
                     let config = config.clone();
                     this.state.set(State::Done);
                     return Poll::Ready(match finished {
                         Ok(Finished::Response(mut response)) => {
-                            response.body_mut().attach(abort);
+                            if let Some(execution) = driver
+                                && response.body_mut().drive(execution).is_some()
+                            {
+                                // Whole bodies: the execution sent them after storing; what is
+                                // left of it has nothing to do.
+                            }
                             Ok(response)
                         }
                         Ok(Finished::Error(error)) => Err(error),

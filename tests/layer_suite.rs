@@ -505,6 +505,26 @@ async fn cancel_safe_handlers_can_opt_out(s: TestStore) {
     assert!(!retry.replayed());
     assert_eq!(retry.json()["run"], 2);
     assert_eq!(probe.finished(), 1, "the first run never finished");
+
+    // Inline, a streamed body is driven by the client's reads: read to its end, it is stored...
+    let first = send(&app, post_key("/stream", "cancel-stream", "")).await;
+    let again = send(&app, post_key("/stream", "cancel-stream", "")).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    // ...dropped half-way, the execution is cancelled and the key released.
+    let runs = probe.runs();
+    let response = app
+        .clone()
+        .oneshot(post_key("/stream", "cancel-drop", ""))
+        .await
+        .unwrap();
+    let mut body = response.into_body();
+    let frame = within("the first chunk", body.frame()).await;
+    assert!(frame.is_some_and(|f| f.is_ok()));
+    drop(body);
+    let retry = send(&app, post_key("/stream", "cancel-drop", "")).await;
+    assert!(!retry.replayed(), "cancelled: nothing was stored");
+    assert_eq!(probe.runs(), runs + 2);
 }
 
 async fn streamed_bodies_are_forwarded_and_stored(s: TestStore) {

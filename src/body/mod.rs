@@ -8,7 +8,7 @@ mod response;
 pub use request::RequestBody;
 pub(crate) use request::read_request;
 pub use response::ResponseBody;
-pub(crate) use response::{AbortOnDrop, Feed, Message};
+pub(crate) use response::{Feed, Message};
 
 /// The error type of the layer's bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -10,6 +10,7 @@ use pin_project_lite::pin_project;
 use tokio::sync::mpsc;
 
 use super::BoxError;
+use crate::execution::Driver;
 
 /// What the protected execution sends to the client's body, frame by frame.
 #[derive(Debug)]
@@ -38,7 +39,7 @@ impl Feed {
         let body = ResponseBody {
             kind: Kind::Fed {
                 rx,
-                abort: AbortOnDrop::default(),
+                driver: None,
                 ended: false,
             },
         };
@@ -53,25 +54,6 @@ impl Feed {
             self.tx = None;
         }
         self.tx.is_some()
-    }
-}
-
-/// Aborts the execution task when dropped, unless disarmed (only in `cancel_on_disconnect`
-/// mode; by default the execution runs to its end whatever happens to the client).
-#[derive(Debug, Default)]
-pub(crate) struct AbortOnDrop(pub(crate) Option<tokio::task::AbortHandle>);
-
-impl AbortOnDrop {
-    pub(crate) fn disarm(&mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        if let Some(handle) = self.0.take() {
-            handle.abort();
-        }
     }
 }
 
@@ -94,7 +76,7 @@ pin_project! {
     enum Kind<B> {
         Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
         Inner { #[pin] inner: B },
-        Fed { rx: mpsc::Receiver<Message>, abort: AbortOnDrop, ended: bool },
+        Fed { rx: mpsc::Receiver<Message>, driver: Option<Driver>, ended: bool },
     }
 }
 
@@ -125,17 +107,21 @@ impl<B> ResponseBody<B> {
         }
     }
 
-    /// Hands the execution's abort handle to a body the execution still feeds; the client
-    /// dropping it before its end then cancels the execution. Any other body is complete, and
-    /// so is the execution behind it: the handle is disarmed.
-    pub(crate) fn attach(&mut self, mut abort: AbortOnDrop) {
+    /// Hands an inline execution (`cancel_on_disconnect`) that still feeds this body to the
+    /// body, which drives it while the client reads; dropping the body cancels it. Returns the
+    /// driver if this body does not take it (it is whole: its execution has nothing left to
+    /// feed it).
+    pub(crate) fn drive(&mut self, driver: Driver) -> Option<Driver> {
         match &mut self.kind {
             Kind::Fed {
-                abort: slot,
+                driver: slot,
                 ended: false,
                 ..
-            } => *slot = abort,
-            _ => abort.disarm(),
+            } => {
+                *slot = Some(driver);
+                None
+            }
+            _ => Some(driver),
         }
     }
 }
@@ -165,21 +151,24 @@ where
                     frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))
                 ))),
             },
-            KindProj::Fed { rx, abort, ended } => {
+            KindProj::Fed { rx, driver, ended } => {
                 if *ended {
                     return Poll::Ready(None);
+                }
+                if let Some(execution) = driver
+                    && execution.as_mut().poll(cx).is_ready()
+                {
+                    *driver = None;
                 }
                 match rx.poll_recv(cx) {
                     Poll::Pending => Poll::Pending,
                     Poll::Ready(Some(Message::Frame(frame))) => Poll::Ready(Some(Ok(frame))),
                     Poll::Ready(Some(Message::End)) => {
                         *ended = true;
-                        abort.disarm();
                         Poll::Ready(None)
                     }
                     Poll::Ready(Some(Message::Error(error))) => {
                         *ended = true;
-                        abort.disarm();
                         Poll::Ready(Some(Err(error)))
                     }
                     Poll::Ready(None) => {
