@@ -139,26 +139,91 @@ pub use secret::MIN_SECRET_LEN;
 pub use service::Idempotency;
 pub use store::{DEFAULT_PREFIX, Store};
 
-/// Entry points for the fuzz targets in `fuzz/`: not a stable API.
-#[cfg(feature = "fuzzing")]
+/// Entry points for the fuzz targets in `fuzz/` and the benchmarks in `benches/`: not a stable
+/// API.
+#[cfg(feature = "internals")]
 #[doc(hidden)]
-pub mod fuzzing {
+pub mod internals {
+    use bytes::Bytes;
+    use http::{HeaderMap, HeaderName, StatusCode};
+
+    use crate::record::{Encode, Kind, Record, Sealer};
+    use crate::secret::Keys;
+
     /// Decodes a record's plaintext, and opens `bytes` as a sealed record under a fixed key;
     /// must never panic, whatever the bytes.
     pub fn decode_record(bytes: &[u8]) -> Result<(), String> {
-        let sealer = crate::record::Sealer::new(&[7; 32], "fuzz");
-        let _ = crate::record::Record::open(&sealer, bytes);
-        crate::record::Record::decode(&bytes::Bytes::copy_from_slice(bytes)).map(|_| ())
+        let sealer = Sealer::new(&[7; 32], "fuzz");
+        let _ = Record::open(&sealer, bytes);
+        Record::decode(&Bytes::copy_from_slice(bytes)).map(|_| ())
     }
 
     /// The fingerprint of a request's parts and body.
     pub fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> [u8; 32] {
-        let keys = crate::secret::Keys::new(Some(b"fuzzing secret, 32 bytes long..."));
+        let keys = Keys::new(Some(b"fuzzing secret, 32 bytes long..."));
         crate::fingerprint::fingerprint(
             keys.fingerprinter(),
             parts,
             &[http::header::CONTENT_TYPE],
             body,
         )
+    }
+
+    /// The keys a server secret derives.
+    #[derive(Debug)]
+    pub struct ServerKeys(Keys);
+
+    /// What a request derives from its key: the store name and the record key.
+    pub fn derive(
+        keys: &ServerKeys,
+        parts: &http::request::Parts,
+        key: &str,
+    ) -> ([u8; 32], String) {
+        let derived = crate::scope::derive(&keys.0, parts, None, key);
+        (derived.record_key, derived.name)
+    }
+
+    /// Server keys from a secret.
+    pub fn keys(secret: &[u8]) -> ServerKeys {
+        ServerKeys(Keys::new(Some(secret)))
+    }
+
+    fn encode<'a>(body: &'a [u8], headers: &'a HeaderMap) -> Encode<'a, fn(&HeaderName) -> bool> {
+        fn all(_: &HeaderName) -> bool {
+            true
+        }
+        Encode {
+            fingerprint: &[7; 32],
+            kind: Kind::Response,
+            status: StatusCode::CREATED,
+            fence: 1,
+            headers,
+            keep: all,
+            body,
+            trailers: None,
+            vary: headers,
+        }
+    }
+
+    /// A record of a response with `body`, encoded and sealed (what a completion stores).
+    pub fn seal(key: &[u8; 32], name: &str, body: &[u8], headers: &HeaderMap) -> Vec<u8> {
+        encode(body, headers).seal(&Sealer::new(key, name))
+    }
+
+    /// The same record encoded without sealing (the cost of the format alone).
+    pub fn encode_plain(body: &[u8], headers: &HeaderMap) -> Vec<u8> {
+        let mut out = Vec::new();
+        encode(body, headers).write(&mut out, 0);
+        out
+    }
+
+    /// Opens and decodes a sealed record (what a replay does); returns the body length.
+    pub fn open(key: &[u8; 32], name: &str, sealed: &[u8]) -> usize {
+        Record::open(&Sealer::new(key, name), sealed).map_or(0, |r| r.body.len())
+    }
+
+    /// Decodes a plain record; returns the body length.
+    pub fn decode_plain(plain: &[u8]) -> usize {
+        Record::decode(&Bytes::copy_from_slice(plain)).map_or(0, |r| r.body.len())
     }
 }

@@ -5,5 +5,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let _ = tower_idempotency::fuzzing::decode_record(data);
+    let _ = tower_idempotency::internals::decode_record(data);
 });

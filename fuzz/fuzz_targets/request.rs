@@ -58,7 +58,7 @@ fuzz_target!(|data: &[u8]| {
     }
     *request.body_mut() = Body::from(body.to_vec());
     let (parts, _) = Request::builder().uri(path).body(()).unwrap().into_parts();
-    let _ = tower_idempotency::fuzzing::fingerprint(&parts, body);
+    let _ = tower_idempotency::internals::fingerprint(&parts, body);
     RUNTIME.block_on(async {
         let response = APP.clone().oneshot(request).await.unwrap();
         let status = response.status().as_u16();
