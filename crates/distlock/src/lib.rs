@@ -29,7 +29,7 @@
 //! | problem (reference articles) | what this crate does |
 //! |---|---|
 //! | `SETNX` + `GETSET` lets a loser overwrite the holder's expiry (000) | acquisition is one atomic script: `SET key token NX PX lease` and the fencing `HINCRBY`; nothing is ever written to a lock held by someone else |
-//! | a constant value lets one caller release another's lock (002) | every acquisition has a fresh 128-bit [`Token`] from the OS RNG; release is a Lua compare-and-delete, renewal a compare-and-pexpire |
+//! | a constant value lets one caller release another's lock (002) | every acquisition has a fresh 128-bit [`Token`] from a CSPRNG seeded by the OS (no system call per acquisition); release is a Lua compare-and-delete, renewal a compare-and-pexpire |
 //! | a crashed holder never unlocks (003, 004) | every lock has a lease; waiters wake when it ends |
 //! | work outlives the lease (002: Redisson's watchdog) | a watchdog renews every `lease/3` while the guard lives |
 //! | the holder does not know it lost the lock | [`LeaseWatch::lost`] fires at `sent + lease - drift` of the last confirmed acquire/renewal, measured with `Instant` from when it was *sent*, or at once when a renewal finds another owner |

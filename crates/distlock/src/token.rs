@@ -1,14 +1,18 @@
-//! Owner tokens: 128 random bits from the operating system.
+//! Owner tokens: 128 random bits from a CSPRNG seeded by the operating system.
 
 use std::fmt;
 use std::sync::Arc;
 
 use crate::ConfigError;
 
-/// A unique owner token: 128 bits from the operating system's RNG, written as 32 hex digits.
+/// A unique owner token: 128 random bits, written as 32 hex digits.
 ///
 /// Every acquisition gets a fresh token, so a release or renewal can only ever touch the lock it
-/// took (article 002's constant value `1` let one caller release another's lock).
+/// took (article 002's constant value `1` let one caller release another's lock). The bits come
+/// from `rand`'s thread-local CSPRNG (ChaCha12, seeded from the operating system's RNG and
+/// reseeded periodically): as unpredictable as the OS RNG for this purpose, without a system
+/// call per acquisition. (A process that `fork`s without `exec` and takes locks in both parent
+/// and child should call `rand::rng().reseed()` in the child.)
 ///
 /// ```
 /// let a = distlock::Token::random();
@@ -20,18 +24,18 @@ use crate::ConfigError;
 pub struct Token([u8; 32]);
 
 impl Token {
-    /// Draws a new token from the OS RNG.
+    /// Draws a new token.
     ///
     /// # Panics
-    /// If the operating system has no usable random source (a lock without unique tokens is unsafe,
-    /// so this does not fall back to a weaker source).
+    /// If the operating system has no usable random source to seed the generator (a lock without
+    /// unique tokens is unsafe, so this does not fall back to a weaker source).
     ///
     /// ```
     /// assert!(distlock::Token::random().as_str().chars().all(|c| c.is_ascii_hexdigit()));
     /// ```
     pub fn random() -> Self {
         let mut bytes = [0u8; 16];
-        getrandom::fill(&mut bytes).expect("the operating system RNG is unavailable");
+        rand::fill(&mut bytes);
         let mut text = [0u8; 32];
         for (i, b) in bytes.iter().enumerate() {
             text[2 * i] = DIGITS[(b >> 4) as usize];

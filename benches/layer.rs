@@ -1,0 +1,129 @@
+//! The layer's own cost per request, in process (no HTTP, no sockets): the same trivial JSON
+//! handler called through an axum `Router` without the layer, with it on the memory store
+//! (execute: a new key each time; replay: a stored key), and in `cancel_on_disconnect` mode
+//! (the execution driven inline instead of spawned, which isolates what detaching costs).
+//!
+//! ```sh
+//! cargo bench --bench layer                              # criterion: time per request
+//! cargo bench --bench layer -- --profile execute 20000   # a fixed run, for callgrind/perf:
+//! valgrind --tool=callgrind target/release/deps/layer-* --profile execute 20000
+//! ```
+
+use std::hint::black_box;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::routing::post;
+use criterion::{Criterion, criterion_group};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+use tower_idempotency::{IdempotencyLayer, Store};
+
+async fn pay(body: bytes::Bytes) -> (StatusCode, axum::Json<serde_json::Value>) {
+    static ID: AtomicU64 = AtomicU64::new(0);
+    let id = ID.fetch_add(1, Ordering::Relaxed);
+    (
+        StatusCode::CREATED,
+        axum::Json(serde_json::json!({"id": id, "status": "paid", "bytes": body.len()})),
+    )
+}
+
+fn app(variant: &str) -> Router {
+    let routes = Router::new().route("/pay", post(pay));
+    let layer = |cancel: bool| {
+        IdempotencyLayer::builder(Store::memory_with(
+            distlock::MemoryLimits::new(4_000_000, 2 << 30).unwrap(),
+        ))
+        .secret("bench secret: 32 bytes, not for real use")
+        .unwrap()
+        .global_keys()
+        .cancel_on_disconnect(cancel)
+        .build()
+        .unwrap()
+    };
+    match variant {
+        "none" => routes,
+        "inline" => routes.layer(layer(true)),
+        _ => routes.layer(layer(false)),
+    }
+}
+
+fn request(key: &str) -> Request<Body> {
+    Request::post("/pay")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Body::from(r#"{"amount":1000,"currency":"eur"}"#))
+        .unwrap()
+}
+
+async fn one(app: &Router, key: &str) -> usize {
+    let response = app.clone().oneshot(request(key)).await.unwrap();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    body.len()
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn layer(c: &mut Criterion) {
+    let rt = runtime();
+    let mut g = c.benchmark_group("in-process request");
+    for (name, variant) in [
+        ("no layer", "none"),
+        ("memory store, execute", "detached"),
+        ("memory store, execute, inline (cancel_on_disconnect)", "inline"),
+    ] {
+        let app = rt.block_on(async { app(variant) });
+        let mut n = 0u64;
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                n += 1;
+                rt.block_on(one(&app, black_box(&format!("k-{n}"))))
+            })
+        });
+    }
+    let app = rt.block_on(async { app("detached") });
+    rt.block_on(one(&app, "stored"));
+    g.bench_function("memory store, replay", |b| {
+        b.iter(|| rt.block_on(one(&app, black_box("stored"))))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, layer);
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(at) = args.iter().position(|a| a == "--profile") {
+        let variant = args.get(at + 1).map_or("execute", String::as_str);
+        let n: u64 = args.get(at + 2).and_then(|n| n.parse().ok()).unwrap_or(20_000);
+        let rt = runtime();
+        let app = rt.block_on(async {
+            app(match variant {
+                "none" => "none",
+                "inline" => "inline",
+                _ => "detached",
+            })
+        });
+        rt.block_on(async {
+            one(&app, "stored").await;
+            for i in 0..n {
+                let key = if variant == "replay" {
+                    "stored".to_owned()
+                } else {
+                    format!("k-{i}")
+                };
+                black_box(one(&app, &key).await);
+            }
+        });
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}
