@@ -77,7 +77,10 @@ fn layer(c: &mut Criterion) {
     for (name, variant) in [
         ("no layer", "none"),
         ("memory store, execute", "detached"),
-        ("memory store, execute, inline (cancel_on_disconnect)", "inline"),
+        (
+            "memory store, execute, inline (cancel_on_disconnect)",
+            "inline",
+        ),
     ] {
         let app = rt.block_on(async { app(variant) });
         let mut n = 0u64;
@@ -102,7 +105,10 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     if let Some(at) = args.iter().position(|a| a == "--profile") {
         let variant = args.get(at + 1).map_or("execute", String::as_str);
-        let n: u64 = args.get(at + 2).and_then(|n| n.parse().ok()).unwrap_or(20_000);
+        let n: u64 = args
+            .get(at + 2)
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(20_000);
         let rt = runtime();
         let app = rt.block_on(async {
             app(match variant {

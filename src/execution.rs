@@ -117,6 +117,7 @@ where
         .extensions
         .remove::<Outcome>()
         .or_else(|| run.decision.get())
+        .or_else(|| crate::outcome::grpc_outcome(&parts.headers))
         .unwrap_or_else(|| (run.config.default_outcome)(parts.status));
     if outcome == Outcome::Retryable {
         // Released before the client sees the answer: its retry runs the handler again.

@@ -156,6 +156,17 @@ pub(crate) type DefaultOutcome = dyn Fn(StatusCode) -> Outcome + Send + Sync;
 /// Renders a rejection in the API's own error format.
 pub(crate) type Render = dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync;
 
+/// How rejections are rendered.
+#[derive(Clone)]
+pub(crate) enum Rendering {
+    /// problem+json under a `type` base.
+    Problem(String),
+    /// The user's format, with the rejection's status.
+    Custom(Arc<Render>),
+    /// gRPC trailers-only responses (HTTP 200, `grpc-status`).
+    Grpc,
+}
+
 /// The checked configuration, shared by every clone of the layer and its services.
 pub(crate) struct Config {
     pub(crate) store: Store,
@@ -176,17 +187,17 @@ pub(crate) struct Config {
     pub(crate) cancel_on_disconnect: bool,
     pub(crate) replay_headers: ReplayHeaders,
     pub(crate) fail_open: bool,
-    pub(crate) problem_base: String,
-    pub(crate) render: Option<Arc<Render>>,
+    pub(crate) rendering: Rendering,
 }
 
 impl Config {
-    /// A rejection as a response: the user's rendering, or problem+json; the status always the
-    /// rejection's.
+    /// A rejection as a response: problem+json, the user's format (with the rejection's
+    /// status), or a gRPC status.
     pub(crate) fn render(&self, rejection: &Rejection) -> Response<Bytes> {
-        match &self.render {
-            Some(render) => rejection.finish(render(rejection)),
-            None => rejection.to_response_with_base(&self.problem_base),
+        match &self.rendering {
+            Rendering::Problem(base) => rejection.to_response_with_base(base),
+            Rendering::Custom(render) => rejection.finish(render(rejection)),
+            Rendering::Grpc => rejection.to_grpc_response(),
         }
     }
 
@@ -217,8 +228,14 @@ impl std::fmt::Debug for Config {
             .field("cancel_on_disconnect", &self.cancel_on_disconnect)
             .field("replay_headers", &self.replay_headers)
             .field("fail_open", &self.fail_open)
-            .field("problem_base", &self.problem_base)
-            .field("render", &self.render.is_some())
+            .field(
+                "rendering",
+                &match &self.rendering {
+                    Rendering::Problem(base) => base.as_str(),
+                    Rendering::Custom(_) => "custom",
+                    Rendering::Grpc => "grpc",
+                },
+            )
             .finish()
     }
 }
@@ -284,8 +301,7 @@ impl IdempotencyLayer {
             cancel_on_disconnect: false,
             replay_headers: ReplayHeaders::default_deny(),
             fail_open: false,
-            problem_base: PROBLEM_BASE.to_owned(),
-            render: None,
+            rendering: Rendering::Problem(PROBLEM_BASE.to_owned()),
         }
     }
 
@@ -326,8 +342,7 @@ pub struct IdempotencyLayerBuilder {
     cancel_on_disconnect: bool,
     replay_headers: ReplayHeaders,
     fail_open: bool,
-    problem_base: String,
-    render: Option<Arc<Render>>,
+    rendering: Rendering,
 }
 
 impl std::fmt::Debug for IdempotencyLayerBuilder {
@@ -598,7 +613,7 @@ impl IdempotencyLayerBuilder {
                 reason: format!("{base:?} is not a URI"),
             });
         }
-        self.problem_base = base;
+        self.rendering = Rendering::Problem(base);
         Ok(self)
     }
 
@@ -619,7 +634,21 @@ impl IdempotencyLayerBuilder {
     where
         F: Fn(&Rejection) -> Response<Bytes> + Send + Sync + 'static,
     {
-        self.render = Some(Arc::new(render));
+        self.rendering = Rendering::Custom(Arc::new(render));
+        self
+    }
+
+    /// Renders rejections as gRPC statuses (for a tonic service): trailers-only responses with
+    /// HTTP 200, `grpc-status` and `grpc-message`, as gRPC clients expect. In flight: `ABORTED`;
+    /// a reused or malformed key: `INVALID_ARGUMENT`; the store unavailable: `UNAVAILABLE`;
+    /// outcome unknown: `UNKNOWN` ([`Rejection::grpc_code`] has them all).
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .grpc_rejections();
+    /// ```
+    pub fn grpc_rejections(mut self) -> Self {
+        self.rendering = Rendering::Grpc;
         self
     }
 
@@ -811,8 +840,7 @@ impl IdempotencyLayerBuilder {
                 cancel_on_disconnect: self.cancel_on_disconnect,
                 replay_headers: self.replay_headers,
                 fail_open: self.fail_open,
-                problem_base: self.problem_base,
-                render: self.render,
+                rendering: self.rendering,
             }),
         })
     }

@@ -24,7 +24,9 @@
 //! authentication extractor answers before the handler runs: a client that refreshes its token
 //! must not get the old 401 replayed for 24 hours); every other status is final, 5xx included.
 //! [`IdempotencyLayerBuilder::default_outcome`](crate::IdempotencyLayerBuilder::default_outcome)
-//! replaces the rule.
+//! replaces the rule. A gRPC error (a trailers-only response: HTTP 200 with `grpc-status`) is
+//! decided by its gRPC code the same way: `RESOURCE_EXHAUSTED`, `ABORTED`, `UNAVAILABLE`,
+//! `UNAUTHENTICATED` and `PERMISSION_DENIED` are retryable, every other code final.
 //!
 //! Why final by default, even for a 500: a handler that may have committed must never be run
 //! again silently. Stripe stores and replays 500s for the same reason. AWS Lambda Powertools
@@ -85,6 +87,32 @@ pub fn default_outcome(status: StatusCode) -> Outcome {
         401 | 403 | 408 | 409 | 425 | 429 | 503 => Outcome::Retryable,
         _ => Outcome::Final,
     }
+}
+
+/// The default decision for a gRPC trailers-only response (`grpc-status` in its headers), by
+/// its gRPC code; `None` for any other response.
+///
+/// ```
+/// use tower_idempotency::{Outcome, outcome::grpc_outcome};
+/// let mut headers = http::HeaderMap::new();
+/// headers.insert("content-type", "application/grpc".parse().unwrap());
+/// headers.insert("grpc-status", "14".parse().unwrap()); // UNAVAILABLE
+/// assert_eq!(grpc_outcome(&headers), Some(Outcome::Retryable));
+/// headers.insert("grpc-status", "3".parse().unwrap()); // INVALID_ARGUMENT
+/// assert_eq!(grpc_outcome(&headers), Some(Outcome::Final));
+/// ```
+pub fn grpc_outcome(headers: &http::HeaderMap) -> Option<Outcome> {
+    let grpc = headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|ct| ct.as_bytes().starts_with(b"application/grpc"));
+    if !grpc {
+        return None;
+    }
+    let code: u8 = headers.get("grpc-status")?.to_str().ok()?.parse().ok()?;
+    Some(match code {
+        7 | 8 | 10 | 14 | 16 => Outcome::Retryable,
+        _ => Outcome::Final,
+    })
 }
 
 /// What to do when a handler's outcome cannot be known: see the [module docs](self#outcome-unknown).

@@ -371,6 +371,100 @@ impl Rejection {
     }
 }
 
+/// The gRPC status codes a rejection maps to (the numeric values of the gRPC spec).
+///
+/// ```
+/// use tower_idempotency::{Rejection, problem::GrpcCode};
+/// assert_eq!(Rejection::KeyReused.grpc_code(), GrpcCode::InvalidArgument);
+/// assert_eq!(GrpcCode::Aborted as u8, 10);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+#[repr(u8)]
+pub enum GrpcCode {
+    /// 2: the outcome is unknown.
+    Unknown = 2,
+    /// 3: the request is malformed or its key reused.
+    InvalidArgument = 3,
+    /// 4: the request did not arrive in time.
+    DeadlineExceeded = 4,
+    /// 8: the request is too large.
+    ResourceExhausted = 8,
+    /// 9: the stored response cannot be replayed to this request.
+    FailedPrecondition = 9,
+    /// 10: a request with this key is in flight (retry later).
+    Aborted = 10,
+    /// 13: a server-side problem (an unreadable record, a missing principal).
+    Internal = 13,
+    /// 14: the store is unavailable (retry later).
+    Unavailable = 14,
+}
+
+impl Rejection {
+    /// The gRPC status of this rejection, for [gRPC rendering](crate::IdempotencyLayerBuilder::grpc_rejections).
+    ///
+    /// ```
+    /// use tower_idempotency::{Rejection, problem::GrpcCode};
+    /// let busy = Rejection::Conflict { retry_after: std::time::Duration::from_secs(1) };
+    /// assert_eq!(busy.grpc_code(), GrpcCode::Aborted);
+    /// ```
+    pub fn grpc_code(&self) -> GrpcCode {
+        match self {
+            Rejection::MissingKey { .. }
+            | Rejection::InvalidKey { .. }
+            | Rejection::DuplicateKey
+            | Rejection::MalformedBody { .. }
+            | Rejection::UnsupportedMediaType { .. }
+            | Rejection::KeyReused => GrpcCode::InvalidArgument,
+            Rejection::RequestTimeout { .. } => GrpcCode::DeadlineExceeded,
+            Rejection::Conflict { .. } => GrpcCode::Aborted,
+            Rejection::BodyTooLarge { .. } => GrpcCode::ResourceExhausted,
+            Rejection::StoreUnavailable { .. } => GrpcCode::Unavailable,
+            Rejection::ResponseNotStored { .. } | Rejection::NotAcceptable { .. } => {
+                GrpcCode::FailedPrecondition
+            }
+            Rejection::OutcomeUnknown { .. } => GrpcCode::Unknown,
+            Rejection::RecordUnreadable { .. } | Rejection::PrincipalMissing { .. } => {
+                GrpcCode::Internal
+            }
+        }
+    }
+
+    /// The rejection as a gRPC "trailers-only" response: HTTP 200, `content-type:
+    /// application/grpc`, `grpc-status` and a percent-encoded `grpc-message`, no body; plus
+    /// `Retry-After` where it applies and the rejection in the extensions.
+    ///
+    /// ```
+    /// let res = tower_idempotency::Rejection::KeyReused.to_grpc_response();
+    /// assert_eq!(res.status(), 200);
+    /// assert_eq!(res.headers()["grpc-status"], "3");
+    /// ```
+    pub fn to_grpc_response(&self) -> Response<Bytes> {
+        /// Everything but visible ASCII (and `%` itself) is percent-encoded in `grpc-message`.
+        const MESSAGE: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b'%');
+        let mut response = Response::new(Bytes::new());
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/grpc"),
+        );
+        headers.insert(
+            "grpc-status",
+            HeaderValue::from(u16::from(self.grpc_code() as u8)),
+        );
+        let message = format!("{}: {}", self.slug(), self.detail());
+        let encoded = percent_encoding::utf8_percent_encode(&message, MESSAGE).to_string();
+        if let Ok(value) = HeaderValue::from_str(&encoded) {
+            headers.insert("grpc-message", value);
+        }
+        if let Some(after) = self.retry_after() {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(whole_seconds(after)));
+        }
+        response.extensions_mut().insert(self.clone());
+        response
+    }
+}
+
 /// A delay in whole seconds, rounded up, at least 1 (`Retry-After` has second resolution).
 fn whole_seconds(d: Duration) -> u64 {
     (d.as_secs() + u64::from(d.subsec_nanos() > 0)).max(1)

@@ -1,0 +1,199 @@
+//! The gRPC example (`examples/grpc.rs`) with a real tonic client over HTTP/2: retries replay
+//! the first call's message and `grpc-status` trailer, concurrent calls with one key charge
+//! once, and rejections are the gRPC statuses a client expects. On memory and on Redis.
+
+mod support;
+
+#[path = "../examples/shared/payments.rs"]
+#[allow(dead_code)]
+mod payments;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use payments::{CreatePaymentRequest, Ledger, PaymentsServer, create_payment};
+use support::{SECRET, TestStore, within};
+use tonic::Code;
+use tonic::transport::Channel;
+use tower_idempotency::Store;
+
+async fn serve(store: &Store, ledger: &Ledger) -> Channel {
+    let server = tonic::transport::Server::builder()
+        .layer(tonic::service::InterceptorLayer::new(
+            payments::authenticate,
+        ))
+        .layer(payments::idempotency(store.clone(), SECRET).unwrap())
+        .add_service(PaymentsServer::new(ledger.clone()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        server.serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+fn create(order: &str, amount: u64) -> CreatePaymentRequest {
+    CreatePaymentRequest {
+        order_id: order.into(),
+        amount,
+        currency: "eur".into(),
+    }
+}
+
+async fn calls_and_retries(s: TestStore) {
+    let ledger = Ledger::with_work(Duration::from_millis(50));
+    let channel = serve(&s.store, &ledger).await;
+    let (first, replayed) = create_payment(channel.clone(), "m1", Some("k1"), create("o1", 500))
+        .await
+        .unwrap();
+    assert!(!replayed);
+    // The retry gets the same message: the replay carries its grpc-status trailer (tonic
+    // refuses a response without one).
+    let (again, replayed) = create_payment(channel.clone(), "m1", Some("k1"), create("o1", 500))
+        .await
+        .unwrap();
+    assert!(replayed);
+    assert_eq!(again, first);
+    // The same key from another merchant is another key.
+    let (other, replayed) = create_payment(channel.clone(), "m2", Some("k1"), create("o1", 500))
+        .await
+        .unwrap();
+    assert!(!replayed);
+    assert_ne!(other.id, first.id);
+    // A key reused with another request: INVALID_ARGUMENT; none: INVALID_ARGUMENT.
+    let reused = create_payment(channel.clone(), "m1", Some("k1"), create("o1", 999))
+        .await
+        .unwrap_err();
+    assert_eq!(reused.code(), Code::InvalidArgument, "{reused:?}");
+    assert!(reused.message().starts_with("key-reused"));
+    let keyless = create_payment(channel.clone(), "m1", None, create("o1", 1))
+        .await
+        .unwrap_err();
+    assert_eq!(keyless.code(), Code::InvalidArgument, "{keyless:?}");
+    assert!(keyless.message().starts_with("missing-key"));
+    // Unauthenticated: the interceptor answers before the layer.
+    let mut unauthenticated = tonic::client::Grpc::new(channel.clone());
+    unauthenticated.ready().await.unwrap();
+    let status = unauthenticated
+        .unary::<_, payments::Payment, _>(
+            tonic::Request::new(create("o1", 1)),
+            http::uri::PathAndQuery::from_static(payments::CREATE_PAYMENT),
+            tonic_prost::ProstCodec::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated);
+    // The handler's own errors: INVALID_ARGUMENT is final (replayed), UNAVAILABLE retryable.
+    let calls = ledger.calls.load(Ordering::SeqCst);
+    for _ in 0..2 {
+        let zero = create_payment(channel.clone(), "m1", Some("zero"), create("o2", 0))
+            .await
+            .unwrap_err();
+        assert_eq!(zero.code(), Code::InvalidArgument);
+    }
+    assert_eq!(ledger.calls.load(Ordering::SeqCst), calls + 1, "replayed");
+    for _ in 0..2 {
+        let down = create_payment(
+            channel.clone(),
+            "m1",
+            Some("down"),
+            create("provider-down", 5),
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(down.code(), Code::Unavailable);
+    }
+    assert_eq!(ledger.calls.load(Ordering::SeqCst), calls + 3, "run again");
+    assert_eq!(ledger.payments().len(), 2);
+}
+
+async fn concurrent_calls_charge_once(s: TestStore) {
+    let ledger = Ledger::with_work(Duration::from_millis(200));
+    let channel = serve(&s.store, &ledger).await;
+    // 20 calls with one key at once: one executes, the others get ABORTED while it runs.
+    let calls: Vec<_> = (0..20)
+        .map(|_| {
+            let channel = channel.clone();
+            tokio::spawn(async move {
+                create_payment(channel, "m1", Some("burst"), create("o3", 700)).await
+            })
+        })
+        .collect();
+    let mut created = Vec::new();
+    for call in calls {
+        match within("a concurrent call", call).await.unwrap() {
+            Ok((payment, _)) => created.push(payment),
+            Err(status) => {
+                assert_eq!(status.code(), Code::Aborted, "{status:?}");
+                assert!(status.message().starts_with("conflict"));
+            }
+        }
+    }
+    assert!(!created.is_empty());
+    // Clients that retry on ABORTED all end with the one payment.
+    let retries: Vec<_> = (0..5)
+        .map(|_| {
+            let channel = channel.clone();
+            tokio::spawn(async move {
+                loop {
+                    match create_payment(channel.clone(), "m1", Some("burst"), create("o3", 700))
+                        .await
+                    {
+                        Ok((payment, _)) => return payment,
+                        Err(s) if s.code() == Code::Aborted => {
+                            tokio::time::sleep(Duration::from_millis(20)).await
+                        }
+                        Err(s) => panic!("{s:?}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    for retry in retries {
+        let payment = within("a retrying client", retry).await.unwrap();
+        assert_eq!(payment, created[0]);
+    }
+    assert_eq!(ledger.payments().len(), 1, "charged once");
+}
+
+macro_rules! both {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::TestStore::memory().await).await;
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::TestStore::redis(stringify!($name)).await).await;
+                }
+            )*
+        }
+    };
+}
+
+both!(calls_and_retries, concurrent_calls_charge_once);
+
+/// The store unreachable: UNAVAILABLE, the handler not run.
+#[tokio::test]
+async fn an_unreachable_store_is_unavailable() {
+    let port = testkit::free_port().unwrap();
+    let store = Store::redis(&format!("redis://127.0.0.1:{port}/")).unwrap();
+    let ledger = Ledger::default();
+    let channel = serve(&store, &ledger).await;
+    let status = create_payment(channel, "m1", Some("k"), create("o", 1))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().starts_with("store-unavailable"));
+    assert_eq!(ledger.calls.load(Ordering::SeqCst), 0);
+}
