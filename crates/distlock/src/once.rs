@@ -4,6 +4,110 @@
 //! This is what an idempotent endpoint needs, in two round trips: `begin` either takes the lock,
 //! returns the stored record, or reports who is in flight (with their tag, for example a request
 //! fingerprint); `complete` stores the record only if the lease is still ours.
+//!
+//! # Streamed records
+//!
+//! A record is a sequence of **parts** (opaque byte strings, each at most [`MAX_PART_LEN`]).
+//! The holder may append parts while it works ([`OnceGuard::append`]) and ends with
+//! [`OnceGuard::complete`], whose argument becomes the last part. Readers follow the record
+//! while it is written ([`Once::follow`], [`Once::wait_parts`]) or read it later
+//! ([`Once::parts`]); a duplicate waiting in [`Once::begin_wait`] is told as soon as the first
+//! part exists, so that it can join the live stream. A record completed without appends is the
+//! one-part case and costs what it always did: one round trip for `begin`, one for `complete`,
+//! no extra key.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::{Duration, Instant};
+//! use distlock::{Begin, once::RecordState};
+//! let once = distlock::LockClient::memory().once("chat-completion-42")?;
+//! let Begin::Acquired(writer) = once.begin("fp").await? else { unreachable!() };
+//! writer.append(b"Hello").await?;
+//!
+//! // A duplicate arrives: the record is being streamed, it joins from part 0.
+//! let Begin::InFlight { fence, parts, .. } = once.begin_wait("fp", Duration::from_secs(5)).await? else {
+//!     unreachable!()
+//! };
+//! assert_eq!(parts, 1);
+//! let mut joiner = once.follow(0).expect_writer(fence);
+//! let read = joiner.next(16, Instant::now() + Duration::from_secs(5)).await?;
+//! assert_eq!(read.parts(), [&b"Hello"[..]]);
+//!
+//! writer.complete(b", world").await?;
+//! let read = joiner.next(16, Instant::now() + Duration::from_secs(5)).await?;
+//! assert_eq!(read.parts(), [&b", world"[..]]);
+//! assert!(read.is_complete());
+//! # Ok(()) }
+//! ```
+//!
+//! ## Data layout on Redis
+//!
+//! Every key of a record shares the hash tag `{name}` (one Cluster slot), and every operation is
+//! one script (`begin`, `append`, `complete`, `parts`, `extend`, `release`, each in its own
+//! `.lua` file, loaded once):
+//!
+//! | key | type | holds | expiry |
+//! |---|---|---|---|
+//! | `prefix:{name}` | string | the holder's token | the lease |
+//! | `prefix:{name}:state` | hash | `n` the fencing counter (the current or last holder's fence), `m` the holder's tag while it holds, `d` a one-part record, `p` the part count of a complete streamed record, `c` the token that completed it | the retention |
+//! | `prefix:{name}:parts` | list | part *i* at index *i*: the parts of the holder writing, or of the complete streamed record; absent for one-part records | the retention |
+//! | `prefix:{name}:rel` | channel | a release or completion announces the token; an append announces `+` and the part's index | — |
+//!
+//! The retention of the state and parts keys is set again by `begin`, every renewal of the
+//! lease, every append and the completion: no part expires before the record would.
+//!
+//! ## Idempotent appends
+//!
+//! The guard counts the parts stored, and every append names the index of its part. The script
+//! appends only while the lock holds the guard's token and the list holds exactly `index`
+//! parts. If the list holds `index + 1` parts and the last one is this very part, the call is a
+//! retry of an append whose reply was lost (a dropped connection, a timeout): it is
+//! acknowledged, not stored twice. Anything else is refused ([`LockError::BrokenRecord`]), so a
+//! stored part is never silently different from what the writer sent. Appends of one guard run
+//! one at a time, and transient failures are retried while the lease can be proven held, as
+//! completions are. Completion after appends checks that the list holds exactly the parts
+//! appended, pushes the last one and marks the record done with its count (`p`), atomically
+//! with the release; a retried completion is recognised by its token (`c`), as before.
+//!
+//! ## Writers and readers
+//!
+//! * **A new writer starts clean.** A holder's lease can run out mid-stream (it died, paused, or
+//!   lost Redis for too long): its parts stay until the next `begin` takes the lock, which
+//!   deletes them in the same script and draws a greater fence. A holder that lost its lease
+//!   appends and completes nothing ([`LockError::LeaseLost`]). Aborting or dropping a guard
+//!   deletes its parts with the lock.
+//! * **Reads are atomic and name their writer.** [`Once::parts`] returns the parts together
+//!   with the record's state and the writer's fence, from one script. A reader that sees the
+//!   fence change knows another writer started over and must not append what it reads to what
+//!   it read before; [`Follower`] does that check and reports [`RecordState::Abandoned`] for the
+//!   writer it followed. Parts of two writers are never mixed.
+//! * **Abandoned is not a record.** No holder and no record ([`RecordState::Abandoned`]) means
+//!   the writer died, aborted or lost its lease: a reader reports an error, never presents what
+//!   it read as complete. A part of a completed record that is missing from the store (evicted,
+//!   deleted) is [`LockError::BrokenRecord`], never a short record.
+//! * **Waiting.** An append announces its progress on the lock's channel, which every client
+//!   hears over its one shared pub/sub connection: every waiting reader wakes (a release still
+//!   wakes one waiting acquirer, and the announcement of an append frees no one). Readers
+//!   subscribe before they look, so nothing announced in between is missed; they poll with
+//!   backoff when notifications are off or refused, and look again when the writer's lease
+//!   ends (a dead writer announces nothing).
+//!
+//! ## In memory
+//!
+//! [`LockClient::memory`](crate::LockClient::memory) keeps the parts with the run-once state,
+//! with the same semantics and in-process wake-ups. Parts count against
+//! [`MemoryLimits`](crate::MemoryLimits) bytes: an append that does not fit is refused
+//! ([`LockError::Capacity`]) and appends nothing. The parts of a held lock are never evicted; a
+//! completed streamed record can be, like any idle record (a reader then sees `Abandoned`).
+//!
+//! ## Redlock
+//!
+//! Streaming is not offered on Redlock: a reader would need a quorum read of every part, and
+//! an append a quorum decision of its own. [`OnceGuard::append`], [`Once::parts`] and the
+//! waits return [`LockError::Unsupported`] without sending anything, and
+//! [`LockClient::supports_streaming`] is false, so a caller can fall back to whole records,
+//! which keep their quorum semantics (a record is replayed only when a quorum holds it).
 
 use std::future::Future;
 use std::sync::Arc;

@@ -50,8 +50,8 @@ impl Default for MemoryLimits {
 }
 
 impl MemoryLimits {
-    /// At most `max_entries` locks and states together, and at most `max_bytes` of keys, tags and
-    /// records. Both must be above zero.
+    /// At most `max_entries` locks and states together, and at most `max_bytes` of keys, tags,
+    /// records and the parts of streamed records. Both must be above zero.
     ///
     /// ```
     /// assert!(distlock::MemoryLimits::new(0, 1).is_err());
@@ -163,6 +163,15 @@ struct Entry {
 impl Entry {
     fn live_lock(&self, now: Instant) -> Option<&MemLock> {
         self.lock.as_ref().filter(|l| l.expires > now)
+    }
+
+    /// The run-once state of the holder, made again (with its fence) if it went.
+    fn holder_state(&mut self) -> &mut MemState {
+        let writer = self.lock.as_ref().map_or(0, |l| l.fence);
+        self.state.get_or_insert_with(|| MemState {
+            writer,
+            ..MemState::default()
+        })
     }
 
     fn bytes(&self, key: &str) -> usize {
@@ -586,7 +595,7 @@ impl MemoryBackend {
             .entries
             .get_mut(&*key)
             .expect("owned, and never evicted while held");
-        let state = entry.state.get_or_insert_with(MemState::default);
+        let state = entry.holder_state();
         if appended == 0 {
             state.record = Some(Bytes::copy_from_slice(record));
         } else {
@@ -637,7 +646,7 @@ impl MemoryBackend {
             .entries
             .get_mut(&*key)
             .expect("owned, and never evicted while held");
-        let state = entry.state.get_or_insert_with(MemState::default);
+        let state = entry.holder_state();
         if push {
             state.push(part);
         }
