@@ -463,6 +463,7 @@ pub enum Begin {
     /// it has: one unless it was streamed with [`OnceGuard::append`]).
     Done(Record),
     /// Someone holds the lock and is doing the work.
+    #[non_exhaustive]
     InFlight {
         /// The tag the holder passed to `begin`.
         tag: Bytes,
@@ -1060,7 +1061,8 @@ impl OnceGuard {
             within_lease(&self.guard, "append", || backend.append(op, index, part)).await?;
         match appended {
             Appended::Stored => {
-                self.appended.store(index + 1, Ordering::Release);
+                self.appended
+                    .store(index.saturating_add(1), Ordering::Release);
                 // Local readers at once; the store's announcement reaches the others.
                 backend.waiters().progress(op.name.channel());
                 Ok(index)

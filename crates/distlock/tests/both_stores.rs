@@ -498,9 +498,11 @@ async fn one_append_wakes_every_reader(store: Store) {
 /// with a greater fence. The first reader never gets the new writer's parts, and a plain read
 /// tells the writers apart by their fence.
 async fn a_lost_lease_mid_stream_is_abandoned_and_the_next_holder_starts_clean(store: Store) {
+    // Polling off: the reader learns the writer is gone from the end of its lease alone.
     let short = LockConfig::builder()
         .lease(Duration::from_millis(200))
         .watchdog(false)
+        .polling(false)
         .build()
         .unwrap();
     let client = store.client(short).await;

@@ -600,7 +600,7 @@ impl MemoryBackend {
             state.record = Some(Bytes::copy_from_slice(record));
         } else {
             state.push(record);
-            state.streamed = Some(appended + 1);
+            state.streamed = Some(appended.saturating_add(1));
         }
         state.completed_by = Some(op.token);
         state.tag = None;
