@@ -212,7 +212,9 @@ where
                 })),
             }
         }
-        Ok(Begin::Done(stored)) => {
+        Ok(Begin::Done(record)) => {
+            // The layer stores whole records (one part) for now.
+            let stored = record.into_first();
             let sealer = Sealer::new(&derived.record_key, &name);
             let (response, outcome) = replay(&config, &sealer, &stored, &fingerprint, &parts);
             tracing::debug!(key = %name, outcome = outcome.as_str(), "idempotency: stored outcome");
@@ -222,6 +224,7 @@ where
         Ok(Begin::InFlight {
             tag: theirs,
             retry_after,
+            ..
         }) => {
             if theirs[..] == fingerprint[..] {
                 reject(

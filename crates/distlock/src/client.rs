@@ -190,6 +190,18 @@ impl LockClient {
         self.inner.backend.describe()
     }
 
+    /// Whether the store can stream run-once records ([`OnceGuard::append`](crate::OnceGuard::append),
+    /// [`Once::parts`](crate::Once::parts), [`Once::follow`](crate::Once::follow)): one Redis
+    /// (standalone, Sentinel, Cluster) and memory can; Redlock cannot (a reader would need a
+    /// quorum read of every part), and its records are written whole.
+    ///
+    /// ```
+    /// assert!(distlock::LockClient::memory().supports_streaming());
+    /// ```
+    pub fn supports_streaming(&self) -> bool {
+        self.inner.backend.supports_streaming()
+    }
+
     /// Connects to the store and loads the lock scripts now, so that the first acquisition does
     /// not pay for it (and a misconfigured URL shows up at startup). Optional: everything also
     /// happens on first use.

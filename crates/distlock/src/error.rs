@@ -111,6 +111,40 @@ pub enum LockError {
         /// Why the lease is lost.
         reason: LossReason,
     },
+    /// The store does not offer this operation: streamed run-once records on Redlock (see
+    /// [`LockClient::supports_streaming`](crate::LockClient::supports_streaming)). Nothing was
+    /// sent; write the record whole with [`OnceGuard::complete`](crate::OnceGuard::complete).
+    #[error("lock {name:?}: {operation} is not supported by the {store} store")]
+    Unsupported {
+        /// The lock name.
+        name: String,
+        /// The operation refused (`"append"`, `"parts"`).
+        operation: &'static str,
+        /// The store, as [`LockClient::store`](crate::LockClient::store) describes it.
+        store: String,
+    },
+    /// A part (or a whole record) is larger than any store accepts
+    /// ([`once::MAX_PART_LEN`](crate::once::MAX_PART_LEN)). Nothing was sent.
+    #[error("lock {name:?}: a part of {len} bytes is over the limit of {max} bytes")]
+    TooLarge {
+        /// The lock name.
+        name: String,
+        /// The size of the part.
+        len: usize,
+        /// The largest size accepted.
+        max: usize,
+    },
+    /// The parts of a streamed run-once record in the store are not what its writer appended:
+    /// a part is missing (evicted or deleted behind the record's back) or differs from a retried
+    /// append. The record must not be presented as complete; the writer's
+    /// [`OnceGuard`](crate::OnceGuard) should be dropped (its parts are then deleted).
+    #[error("the record of lock {name:?} is broken: {detail}")]
+    BrokenRecord {
+        /// The lock name.
+        name: String,
+        /// What does not match.
+        detail: String,
+    },
     /// A name, prefix or configuration was refused (see [`ConfigError`](crate::ConfigError)).
     #[error(transparent)]
     Config(#[from] crate::ConfigError),
@@ -194,6 +228,13 @@ impl LockError {
             name: name.to_owned(),
             ambiguous,
             source: redis::RedisError::from(io),
+        }
+    }
+
+    pub(crate) fn broken(name: &str, detail: impl Into<String>) -> Self {
+        LockError::BrokenRecord {
+            name: name.to_owned(),
+            detail: detail.into(),
         }
     }
 

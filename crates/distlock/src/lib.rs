@@ -38,6 +38,7 @@
 //! | a timeout during acquire leaves a lock nobody knows about | the failed attempt's token is used to delete it in the background (retried until its lease would have ended), and the error says the outcome was ambiguous; the same when the caller drops the acquisition future while its command is in flight |
 //! | release on unwind / cancellation (004 returns early without unlocking) | dropping the guard releases: a spawned compare-and-delete with a deadline (never `block_on` in `Drop`); the lease is the backstop |
 //! | reentrancy (001, 002) | [`LockClient::reentrant`]: a hash lock with one field per hold, so a release removes exactly one hold |
+//! | a duplicate request must not run twice, and should not wait for a long response to end | [`Once`]: the record is stored atomically with the release; it can be streamed part by part ([`OnceGuard::append`], idempotent by part index) and followed live by duplicates ([`Once::follow`]), every part guarded by the lease token and kept for the retention; a writer that died is reported, never replayed as a short record (see [`once`]) |
 //! | Redis Cluster | all keys of one lock share the hash tag `{name}`; every script touches one slot |
 //!
 //! Errors keep apart "held by someone else" ([`LockError::Held`]), "the wait deadline passed"
@@ -123,6 +124,8 @@
 //!   quorum is; a frozen master joins when it answers (it connects lazily and loads the scripts
 //!   on first use), so it never stalls a fresh client.
 //! * Run-once and reentrant locks always fence, whatever [`LockConfigBuilder::fencing`] says.
+//! * **Streamed run-once records are not offered** ([`LockError::Unsupported`],
+//!   [`LockClient::supports_streaming`]): records are written whole, by quorum.
 //!
 //! # Design decisions
 //!

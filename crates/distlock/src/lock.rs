@@ -268,7 +268,8 @@ fn spawn_cleanup(backend: Arc<dyn Backend>, op: Op, config: LockConfig, sent: In
 }
 
 /// Attempts until the lock is taken (or completed), or until `deadline` (a single attempt when
-/// `None`). Returns the last attempt: `Held` means the deadline passed.
+/// `None`). Returns the last attempt: `Held` means the deadline passed, or (run-once) that the
+/// holder is streaming its record (`parts > 0`), which a waiting duplicate can follow live.
 pub(crate) async fn acquire_until(
     backend: &Arc<dyn Backend>,
     op: &Op,
@@ -278,25 +279,28 @@ pub(crate) async fn acquire_until(
     let Some(deadline) = deadline else {
         return attempt(backend, op, config).await;
     };
+    // A run-once waiter also wakes on the holder's progress: its first part ends the wait.
+    let once = matches!(op.mode, Mode::Once { .. });
     let mut waiter = None;
     let mut backoff = Backoff::new(config.retry_base(), config.retry_max());
-    if backend.waiters().is_waited(op.name.channel()) {
+    if backend.waiters().has_acquirers(op.name.channel()) {
         // Others in this client already wait for this lock: queue behind them (releases wake
         // waiters in arrival order) instead of barging past them with an attempt of our own.
-        let registered = backend.waiters().register(op.name.channel());
+        let mut registered = backend.waiters().register(op.name.channel());
         // Releases in this client wake the next waiter directly, so wait for that (with the
         // longest polling delay as the fallback).
         let left = deadline.saturating_duration_since(clock::now());
-        let _ = tokio::time::timeout(config.retry_max().min(left), registered.notified()).await;
+        let _ = tokio::time::timeout(config.retry_max().min(left), registered.woken(once)).await;
+        registered.mark_seen();
         waiter = Some(registered);
     }
     let (mut last, mut sent) = attempt(backend, op, config).await?;
     loop {
-        let Attempt::Held { ttl, .. } = &last else {
+        let Attempt::Held { ttl, parts, .. } = &last else {
             return Ok((last, sent));
         };
         let now = clock::now();
-        if now >= deadline {
+        if now >= deadline || (once && *parts > 0) {
             return Ok((last, sent));
         }
         let left = deadline - now;
@@ -319,9 +323,11 @@ pub(crate) async fn acquire_until(
                     delay = delay.min(*ttl + Duration::from_millis(1));
                 }
                 tokio::select! {
-                    () = registered.notified() => {}
+                    () = registered.woken(once) => {}
                     () = tokio::time::sleep(delay) => {}
                 }
+                // Announcements from here on wake the next wait.
+                registered.mark_seen();
             }
         }
         (last, sent) = attempt(backend, op, config).await?;

@@ -15,8 +15,9 @@ pub const MAX_NAME_LEN: usize = 1024;
 /// | key | holds |
 /// |---|---|
 /// | `prefix:{name}` | the lock: the owner token (string) or, for a reentrant lock, a hash |
-/// | `prefix:{name}:state` | hash: fencing counter `n`, and for [`Once`](crate::Once) the in-flight tag `m` and record `d` |
-/// | `prefix:{name}:rel` | pub/sub channel announcing releases |
+/// | `prefix:{name}:state` | hash: fencing counter `n`, and for [`Once`](crate::Once) the in-flight tag `m`, a one-part record `d`, the part count `p` of a streamed record, the completing token `c` |
+/// | `prefix:{name}:parts` | ([`Once`](crate::Once) streamed records only) list: the parts, in order |
+/// | `prefix:{name}:rel` | pub/sub channel announcing releases (and, for streamed records, progress) |
 ///
 /// ```
 /// let name = distlock::LockName::new("locks", "nightly-report")?;
@@ -27,8 +28,8 @@ pub const MAX_NAME_LEN: usize = 1024;
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct LockName {
-    /// `<lock>:state<lock>:rel` in one allocation: the lock key, the state key (the lock key
-    /// and a suffix) and the channel are slices of it.
+    /// `<lock>:state<lock>:parts<lock>:rel` in one allocation: the lock key, the state key (the
+    /// lock key and a suffix), the parts key and the channel are slices of it.
     keys: Arc<str>,
     /// Where the lock key ends.
     lock_end: u32,
@@ -37,6 +38,7 @@ pub struct LockName {
 }
 
 const STATE: &str = ":state";
+const PARTS: &str = ":parts";
 const REL: &str = ":rel";
 
 impl std::fmt::Debug for LockName {
@@ -59,18 +61,15 @@ impl LockName {
         check_part("name", name, false)?;
         let separator = if prefix.is_empty() { "" } else { ":" };
         let lock_len = prefix.len() + separator.len() + name.len() + 2;
-        let mut keys = String::with_capacity(2 * lock_len + STATE.len() + REL.len());
-        for _ in 0..2 {
+        let mut keys = String::with_capacity(3 * lock_len + STATE.len() + PARTS.len() + REL.len());
+        for suffix in [STATE, PARTS, REL] {
             keys.push_str(prefix);
             keys.push_str(separator);
             keys.push('{');
             keys.push_str(name);
             keys.push('}');
-            if keys.len() == lock_len {
-                keys.push_str(STATE);
-            }
+            keys.push_str(suffix);
         }
-        keys.push_str(REL);
         Ok(LockName {
             keys: keys.into(),
             lock_end: lock_len as u32,
@@ -108,14 +107,27 @@ impl LockName {
         &self.keys[..self.lock_end as usize + STATE.len()]
     }
 
-    /// The pub/sub channel on which releases of this lock are announced.
+    /// The key that holds the parts of a streamed [`Once`](crate::Once) record (see
+    /// [`OnceGuard::append`](crate::OnceGuard::append)); a one-part record never creates it.
+    ///
+    /// ```
+    /// assert_eq!(distlock::LockName::new("p", "job")?.parts_key(), "p:{job}:parts");
+    /// # Ok::<(), distlock::ConfigError>(())
+    /// ```
+    pub fn parts_key(&self) -> &str {
+        let start = self.lock_end as usize + STATE.len();
+        &self.keys[start..start + self.lock_end as usize + PARTS.len()]
+    }
+
+    /// The pub/sub channel on which releases of this lock are announced (and the progress of a
+    /// streamed [`Once`](crate::Once) record).
     ///
     /// ```
     /// assert_eq!(distlock::LockName::new("p", "job")?.channel(), "p:{job}:rel");
     /// # Ok::<(), distlock::ConfigError>(())
     /// ```
     pub fn channel(&self) -> &str {
-        &self.keys[self.lock_end as usize + STATE.len()..]
+        &self.keys[2 * self.lock_end as usize + STATE.len() + PARTS.len()..]
     }
 }
 
@@ -156,7 +168,12 @@ mod tests {
     #[test]
     fn all_keys_share_the_hash_tag() {
         let n = LockName::new("idem", "ab12").unwrap();
-        for key in [n.lock_key(), n.state_key()] {
+        assert_eq!(n.lock_key(), "idem:{ab12}");
+        assert_eq!(n.state_key(), "idem:{ab12}:state");
+        assert_eq!(n.parts_key(), "idem:{ab12}:parts");
+        assert_eq!(n.channel(), "idem:{ab12}:rel");
+        assert_eq!(LockName::new("", "x").unwrap().parts_key(), "{x}:parts");
+        for key in [n.lock_key(), n.state_key(), n.parts_key()] {
             let open = key.find('{').unwrap();
             let close = open + key[open..].find('}').unwrap();
             assert_eq!(&key[open + 1..close], "ab12");

@@ -4,17 +4,427 @@
 //! This is what an idempotent endpoint needs, in two round trips: `begin` either takes the lock,
 //! returns the stored record, or reports who is in flight (with their tag, for example a request
 //! fingerprint); `complete` stores the record only if the lease is still ours.
+//!
+//! # Streamed records
+//!
+//! A record is a sequence of **parts** (opaque byte strings, each at most [`MAX_PART_LEN`]).
+//! The holder may append parts while it works ([`OnceGuard::append`]) and ends with
+//! [`OnceGuard::complete`], whose argument becomes the last part. Readers follow the record
+//! while it is written ([`Once::follow`], [`Once::wait_parts`]) or read it later
+//! ([`Once::parts`]); a duplicate waiting in [`Once::begin_wait`] is told as soon as the first
+//! part exists, so that it can join the live stream. A record completed without appends is the
+//! one-part case and costs what it always did: one round trip for `begin`, one for `complete`,
+//! no extra key.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::{Duration, Instant};
+//! use distlock::{Begin, once::RecordState};
+//! let once = distlock::LockClient::memory().once("chat-completion-42")?;
+//! let Begin::Acquired(writer) = once.begin("fp").await? else { unreachable!() };
+//! writer.append(b"Hello").await?;
+//!
+//! // A duplicate arrives: the record is being streamed, it joins from part 0.
+//! let Begin::InFlight { fence, parts, .. } = once.begin_wait("fp", Duration::from_secs(5)).await? else {
+//!     unreachable!()
+//! };
+//! assert_eq!(parts, 1);
+//! let mut joiner = once.follow(0).expect_writer(fence);
+//! let read = joiner.next(16, Instant::now() + Duration::from_secs(5)).await?;
+//! assert_eq!(read.parts(), [&b"Hello"[..]]);
+//!
+//! writer.complete(b", world").await?;
+//! let read = joiner.next(16, Instant::now() + Duration::from_secs(5)).await?;
+//! assert_eq!(read.parts(), [&b", world"[..]]);
+//! assert!(read.is_complete());
+//! # Ok(()) }
+//! ```
+//!
+//! ## Data layout on Redis
+//!
+//! Every key of a record shares the hash tag `{name}` (one Cluster slot), and every operation is
+//! one script (`begin`, `append`, `complete`, `parts`, `extend`, `release`, each in its own
+//! `.lua` file, loaded once):
+//!
+//! | key | type | holds | expiry |
+//! |---|---|---|---|
+//! | `prefix:{name}` | string | the holder's token | the lease |
+//! | `prefix:{name}:state` | hash | `n` the fencing counter (the current or last holder's fence), `m` the holder's tag while it holds, `d` a one-part record, `p` the part count of a complete streamed record, `c` the token that completed it | the retention |
+//! | `prefix:{name}:parts` | list | part *i* at index *i*: the parts of the holder writing, or of the complete streamed record; absent for one-part records | the retention |
+//! | `prefix:{name}:rel` | channel | a release or completion announces the token; an append announces `+` and the part's index | — |
+//!
+//! The retention of the state and parts keys is set again by `begin`, every renewal of the
+//! lease, every append and the completion: no part expires before the record would.
+//!
+//! ## Idempotent appends
+//!
+//! The guard counts the parts stored, and every append names the index of its part. The script
+//! appends only while the lock holds the guard's token and the list holds exactly `index`
+//! parts. If the list holds `index + 1` parts and the last one is this very part, the call is a
+//! retry of an append whose reply was lost (a dropped connection, a timeout): it is
+//! acknowledged, not stored twice. Anything else is refused ([`LockError::BrokenRecord`]), so a
+//! stored part is never silently different from what the writer sent. Appends of one guard run
+//! one at a time, and transient failures are retried while the lease can be proven held, as
+//! completions are. Completion after appends checks that the list holds exactly the parts
+//! appended, pushes the last one and marks the record done with its count (`p`), atomically
+//! with the release; a retried completion is recognised by its token (`c`), as before.
+//!
+//! ## Writers and readers
+//!
+//! * **A new writer starts clean.** A holder's lease can run out mid-stream (it died, paused, or
+//!   lost Redis for too long): its parts stay until the next `begin` takes the lock, which
+//!   deletes them in the same script and draws a greater fence. A holder that lost its lease
+//!   appends and completes nothing ([`LockError::LeaseLost`]). Aborting or dropping a guard
+//!   deletes its parts with the lock.
+//! * **Reads are atomic and name their writer.** [`Once::parts`] returns the parts together
+//!   with the record's state and the writer's fence, from one script. A reader that sees the
+//!   fence change knows another writer started over and must not append what it reads to what
+//!   it read before; [`Follower`] does that check and reports [`RecordState::Abandoned`] for the
+//!   writer it followed. Parts of two writers are never mixed.
+//! * **Abandoned is not a record.** No holder and no record ([`RecordState::Abandoned`]) means
+//!   the writer died, aborted or lost its lease: a reader reports an error, never presents what
+//!   it read as complete. A part of a completed record that is missing from the store (evicted,
+//!   deleted) is [`LockError::BrokenRecord`], never a short record.
+//! * **Waiting.** An append announces its progress on the lock's channel, which every client
+//!   hears over its one shared pub/sub connection: every waiting reader wakes (a release still
+//!   wakes one waiting acquirer, and the announcement of an append frees no one). Readers
+//!   subscribe before they look, so nothing announced in between is missed; they poll with
+//!   backoff when notifications are off or refused, and look again when the writer's lease
+//!   ends (a dead writer announces nothing).
+//!
+//! ## In memory
+//!
+//! [`LockClient::memory`](crate::LockClient::memory) keeps the parts with the run-once state,
+//! with the same semantics and in-process wake-ups. Parts count against
+//! [`MemoryLimits`](crate::MemoryLimits) bytes: an append that does not fit is refused
+//! ([`LockError::Capacity`]) and appends nothing. The parts of a held lock are never evicted; a
+//! completed streamed record can be, like any idle record (a reader then sees `Abandoned`).
+//!
+//! ## Redlock
+//!
+//! Streaming is not offered on Redlock: a reader would need a quorum read of every part, and
+//! an append a quorum decision of its own. [`OnceGuard::append`], [`Once::parts`] and the
+//! waits return [`LockError::Unsupported`] without sending anything, and
+//! [`LockClient::supports_streaming`] is false, so a caller can fall back to whole records,
+//! which keep their quorum semantics (a record is replayed only when a quorum holds it).
 
+use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use crate::backend::{Attempt, Mode, Op};
+use crate::backend::waiters::{Kind, Waiter};
+use crate::backend::{Appended, Attempt, Mode, Op};
 use crate::lock::acquire_until;
 use crate::{
-    ConfigError, LockClient, LockConfig, LockError, LockGuard, LockName, LossReason, Token,
+    Backoff, ConfigError, LockClient, LockConfig, LockError, LockGuard, LockName, LossReason, Token,
 };
+
+/// The largest part (or whole record) [`OnceGuard::append`] and [`OnceGuard::complete`] accept:
+/// 512 MiB, the largest string Redis accepts. Larger ones are refused with
+/// [`LockError::TooLarge`] before anything is sent.
+///
+/// ```
+/// assert_eq!(distlock::once::MAX_PART_LEN, 512 << 20);
+/// ```
+pub const MAX_PART_LEN: usize = 512 << 20;
+
+/// A completed record, as [`Once::begin`] finds it: its first part and how many parts it has.
+/// A record completed without appends (the whole record in one [`OnceGuard::complete`]) is one
+/// part; read the others of a streamed record with [`Once::parts`] or [`Once::follow`].
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), distlock::LockError> {
+/// use distlock::Begin;
+/// let once = distlock::LockClient::memory().once("evt")?;
+/// let Begin::Acquired(guard) = once.begin("").await? else { unreachable!() };
+/// guard.complete(b"whole").await?;
+/// let Begin::Done(record) = once.begin("").await? else { unreachable!() };
+/// assert_eq!(record.parts(), 1);
+/// assert_eq!(record.whole().map(|b| &b[..]), Some(&b"whole"[..]));
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Record {
+    first: Bytes,
+    parts: u64,
+}
+
+impl Record {
+    pub(crate) fn new(first: Bytes, parts: u64) -> Self {
+        Record { first, parts }
+    }
+
+    /// The first part (the whole record when it has one part).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// # use distlock::Begin;
+    /// # let once = distlock::LockClient::memory().once("evt")?;
+    /// # let Begin::Acquired(guard) = once.begin("").await? else { unreachable!() };
+    /// guard.append(b"head").await?;
+    /// guard.complete(b"tail").await?;
+    /// let Begin::Done(record) = once.begin("").await? else { unreachable!() };
+    /// assert_eq!(&record.first()[..], b"head");
+    /// # Ok(()) }
+    /// ```
+    pub fn first(&self) -> &Bytes {
+        &self.first
+    }
+
+    /// The first part, by value.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// # use distlock::Begin;
+    /// # let once = distlock::LockClient::memory().once("evt")?;
+    /// # let Begin::Acquired(guard) = once.begin("").await? else { unreachable!() };
+    /// guard.complete(b"rec").await?;
+    /// let Begin::Done(record) = once.begin("").await? else { unreachable!() };
+    /// let bytes: bytes::Bytes = record.into_first();
+    /// assert_eq!(&bytes[..], b"rec");
+    /// # Ok(()) }
+    /// ```
+    pub fn into_first(self) -> Bytes {
+        self.first
+    }
+
+    /// How many parts the record has (at least 1).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// # use distlock::Begin;
+    /// # let once = distlock::LockClient::memory().once("evt")?;
+    /// # let Begin::Acquired(guard) = once.begin("").await? else { unreachable!() };
+    /// guard.append(b"a").await?;
+    /// guard.append(b"b").await?;
+    /// guard.complete(b"c").await?;
+    /// let Begin::Done(record) = once.begin("").await? else { unreachable!() };
+    /// assert_eq!(record.parts(), 3);
+    /// # Ok(()) }
+    /// ```
+    pub fn parts(&self) -> u64 {
+        self.parts
+    }
+
+    /// The whole record, if it is one part; `None` for a streamed record of several parts.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// # use distlock::Begin;
+    /// # let once = distlock::LockClient::memory().once("evt")?;
+    /// # let Begin::Acquired(guard) = once.begin("").await? else { unreachable!() };
+    /// guard.append(b"a").await?;
+    /// guard.complete(b"b").await?;
+    /// let Begin::Done(record) = once.begin("").await? else { unreachable!() };
+    /// assert!(record.whole().is_none(), "two parts: read them with Once::parts");
+    /// # Ok(()) }
+    /// ```
+    pub fn whole(&self) -> Option<&Bytes> {
+        (self.parts == 1).then_some(&self.first)
+    }
+}
+
+/// Where a run-once record stands, as [`Once::parts`] reads it.
+///
+/// ```
+/// use distlock::once::RecordState;
+/// fn finished(state: RecordState, read: u64) -> Option<Result<(), &'static str>> {
+///     match state {
+///         RecordState::Done { parts } if read == parts => Some(Ok(())),
+///         RecordState::Abandoned => Some(Err("the writer is gone: the record is incomplete")),
+///         _ => None, // more to read, or to wait for
+///     }
+/// }
+/// assert_eq!(finished(RecordState::Done { parts: 2 }, 2), Some(Ok(())));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RecordState {
+    /// A holder is alive and writing; it appended `parts` parts so far.
+    Writing {
+        /// Parts appended so far.
+        parts: u64,
+    },
+    /// The record is complete with `parts` parts.
+    Done {
+        /// Parts of the complete record (at least 1).
+        parts: u64,
+    },
+    /// No holder and no record: nobody began, or the writer died, aborted or lost its lease.
+    /// What it wrote is not a record: report an error, never present it as complete.
+    Abandoned,
+}
+
+/// Parts of a run-once record and its state, read in one atomic step ([`Once::parts`],
+/// [`Once::wait_parts`], [`Follower::next`]).
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), distlock::LockError> {
+/// use distlock::{Begin, once::RecordState};
+/// let once = distlock::LockClient::memory().once("export")?;
+/// let Begin::Acquired(guard) = once.begin("").await? else { unreachable!() };
+/// guard.append(b"a").await?;
+/// let read = once.parts(0, 16).await?;
+/// assert_eq!(read.parts(), [bytes::Bytes::from_static(b"a")]);
+/// assert_eq!(read.state(), RecordState::Writing { parts: 1 });
+/// assert_eq!(read.fence(), guard.fence());
+/// assert_eq!(read.next(), 1);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Parts {
+    from: u64,
+    parts: Vec<Bytes>,
+    fence: u64,
+    state: RecordState,
+    /// The writer's remaining lease (while writing): a waiting reader looks again when it ends,
+    /// since a writer that dies announces nothing.
+    lease_left: Option<Duration>,
+}
+
+impl Parts {
+    pub(crate) fn new(
+        from: u64,
+        parts: Vec<Bytes>,
+        fence: u64,
+        state: RecordState,
+        lease_left: Option<Duration>,
+    ) -> Self {
+        Parts {
+            from,
+            parts,
+            fence,
+            state,
+            lease_left,
+        }
+    }
+
+    /// The index of the first part returned.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// let once = distlock::LockClient::memory().once("k")?;
+    /// assert_eq!(once.parts(3, 1).await?.from(), 3);
+    /// # Ok(()) }
+    /// ```
+    pub fn from(&self) -> u64 {
+        self.from
+    }
+
+    /// The parts read, from [`from`](Parts::from) on, in order.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// let once = distlock::LockClient::memory().once("k")?;
+    /// assert!(once.parts(0, 8).await?.parts().is_empty(), "nothing written");
+    /// # Ok(()) }
+    /// ```
+    pub fn parts(&self) -> &[Bytes] {
+        &self.parts
+    }
+
+    /// The parts read, by value.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// # use distlock::Begin;
+    /// let once = distlock::LockClient::memory().once("k")?;
+    /// # let Begin::Acquired(guard) = once.begin("").await? else { unreachable!() };
+    /// # guard.complete(b"r").await?;
+    /// let parts: Vec<bytes::Bytes> = once.parts(0, 8).await?.into_parts();
+    /// assert_eq!(parts.len(), 1);
+    /// # Ok(()) }
+    /// ```
+    pub fn into_parts(self) -> Vec<Bytes> {
+        self.parts
+    }
+
+    /// The index after the last part read: where the next read starts.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// let once = distlock::LockClient::memory().once("k")?;
+    /// assert_eq!(once.parts(5, 8).await?.next(), 5);
+    /// # Ok(()) }
+    /// ```
+    pub fn next(&self) -> u64 {
+        self.from.saturating_add(self.parts.len() as u64)
+    }
+
+    /// The fencing token of the record's writer (the current holder while it writes): a reader
+    /// that sees it change knows a new writer started over, and must not mix their parts.
+    /// [`Follower`] checks it for you.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// # use distlock::Begin;
+    /// let once = distlock::LockClient::memory().once("k")?;
+    /// let Begin::Acquired(guard) = once.begin("").await? else { unreachable!() };
+    /// assert_eq!(once.parts(0, 1).await?.fence(), guard.fence());
+    /// # Ok(()) }
+    /// ```
+    pub fn fence(&self) -> u64 {
+        self.fence
+    }
+
+    /// Where the record stands.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// let once = distlock::LockClient::memory().once("k")?;
+    /// let state = once.parts(0, 1).await?.state();
+    /// assert_eq!(state, distlock::once::RecordState::Abandoned, "nobody writes it");
+    /// # Ok(()) }
+    /// ```
+    pub fn state(&self) -> RecordState {
+        self.state
+    }
+
+    /// Whether the record is done and these parts reach its end.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// # use distlock::Begin;
+    /// let once = distlock::LockClient::memory().once("k")?;
+    /// # let Begin::Acquired(guard) = once.begin("").await? else { unreachable!() };
+    /// guard.append(b"a").await?;
+    /// guard.complete(b"b").await?;
+    /// assert!(!once.parts(0, 1).await?.is_complete());
+    /// assert!(once.parts(1, 1).await?.is_complete());
+    /// # Ok(()) }
+    /// ```
+    pub fn is_complete(&self) -> bool {
+        matches!(self.state, RecordState::Done { parts } if self.next() >= parts)
+    }
+
+    /// Whether there is nothing to wait for at `from`: parts from there on exist, or no holder
+    /// is writing any more.
+    fn ready(&self, from: u64) -> bool {
+        match self.state {
+            RecordState::Writing { parts } => parts > from,
+            _ => true,
+        }
+    }
+}
 
 /// A run-once lock on one name. See the [module docs](crate::once).
 ///
@@ -30,7 +440,7 @@ use crate::{
 /// guard.complete(b"201 Created").await?;
 ///
 /// match once.begin("fingerprint-A").await? {
-///     Begin::Done(record) => assert_eq!(&record[..], b"201 Created"),
+///     Begin::Done(record) => assert_eq!(&record.first()[..], b"201 Created"),
 ///     other => panic!("{other:?}"),
 /// }
 /// # Ok(()) }
@@ -49,14 +459,21 @@ pub struct Once {
 pub enum Begin {
     /// Nobody completed the work and nobody is doing it: it is ours to do.
     Acquired(OnceGuard),
-    /// The work was completed; this is the stored record.
-    Done(Bytes),
+    /// The work was completed; this is the stored record (its first part, and how many parts
+    /// it has: one unless it was streamed with [`OnceGuard::append`]).
+    Done(Record),
     /// Someone holds the lock and is doing the work.
+    #[non_exhaustive]
     InFlight {
         /// The tag the holder passed to `begin`.
         tag: Bytes,
         /// The holder's remaining lease, if known.
         retry_after: Option<Duration>,
+        /// The holder's fencing token: tells writers apart (see [`Parts::fence`]).
+        fence: u64,
+        /// How many parts the holder appended so far: above zero, the record is being streamed
+        /// and can be followed live ([`Once::follow`]).
+        parts: u64,
     },
 }
 
@@ -162,7 +579,9 @@ impl Once {
 
     /// Like [`begin`](Once::begin), but while someone is in flight waits up to `wait` (woken by
     /// their release) for the record, or for the lock if they gave up without completing.
-    /// Returns `InFlight` if they are still at it when `wait` ends.
+    /// Returns `InFlight` if they are still at it when `wait` ends, or as soon as they appended
+    /// their first part (`InFlight` with `parts > 0`): a streamed record can be followed live
+    /// ([`Once::follow`]) instead of waited for.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -177,7 +596,7 @@ impl Once {
     /// });
     /// tokio::time::sleep(Duration::from_millis(20)).await;
     /// guard.complete(b"done").await?;
-    /// assert!(matches!(waiting.await.unwrap()?, Begin::Done(r) if &r[..] == b"done"));
+    /// assert!(matches!(waiting.await.unwrap()?, Begin::Done(r) if &r.first()[..] == b"done"));
     /// # Ok(()) }
     /// ```
     pub async fn begin_wait(
@@ -217,19 +636,324 @@ impl Once {
                     fence,
                     sent,
                 ),
+                appended: AtomicU64::new(0),
+                appending: tokio::sync::Mutex::new(()),
             }),
             Attempt::Done { record } => Begin::Done(record),
-            Attempt::Held { ttl, tag } => Begin::InFlight {
+            Attempt::Held {
+                ttl,
+                tag,
+                fence,
+                parts,
+            } => Begin::InFlight {
                 tag: tag.unwrap_or_default(),
                 retry_after: ttl,
+                fence,
+                parts,
             },
         })
     }
+
+    /// Up to `max` parts of the record from part `from` on (0-based), with its state and its
+    /// writer's fence, in one atomic read (one round trip on Redis). Works on the record being
+    /// written and on a completed one (a one-part record is its part 0).
+    ///
+    /// # Errors
+    /// [`LockError::Unavailable`] if the store cannot be reached; [`LockError::Unsupported`] on
+    /// Redlock; [`LockError::BrokenRecord`] if a part of a completed record is missing.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// use distlock::{Begin, once::RecordState};
+    /// let once = distlock::LockClient::memory().once("export")?;
+    /// let Begin::Acquired(guard) = once.begin("").await? else { unreachable!() };
+    /// for part in [&b"a"[..], b"b", b"c"] {
+    ///     guard.append(part).await?;
+    /// }
+    /// guard.complete(b"d").await?;
+    /// let read = once.parts(1, 2).await?;
+    /// assert_eq!(read.parts(), [&b"b"[..], &b"c"[..]]);
+    /// assert_eq!(read.state(), RecordState::Done { parts: 4 });
+    /// # Ok(()) }
+    /// ```
+    pub async fn parts(&self, from: u64, max: usize) -> Result<Parts, LockError> {
+        let timeout = self.config.op_timeout();
+        let read = self.client.backend().parts(&self.name, from, max);
+        match tokio::time::timeout(timeout, read).await {
+            Ok(read) => read,
+            Err(_) => Err(LockError::timeout(self.name.as_str(), false, timeout)),
+        }
+    }
+
+    /// Like [`parts`](Once::parts), but while the holder is alive and has not appended part
+    /// `from` yet, waits (until `until`) for it: returns as soon as parts from `from` on exist
+    /// or the record is no longer being written ([`RecordState::Done`] or
+    /// [`RecordState::Abandoned`]), else at `until` with what there is (no parts, `Writing`).
+    /// Woken by the writer's announcements (every waiting reader wakes), with polling as the
+    /// fallback ([`LockConfigBuilder::polling`](crate::LockConfigBuilder::polling)) and a look
+    /// at the end of the writer's lease (a dead writer announces nothing).
+    ///
+    /// If the writer changed during the wait (a new holder started over) this reports
+    /// `Abandoned` for the writer first seen. To read a whole stream, [`Once::follow`] keeps its
+    /// subscription and place between calls.
+    ///
+    /// # Errors
+    /// As [`parts`](Once::parts).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// use std::time::{Duration, Instant};
+    /// use distlock::Begin;
+    /// let once = distlock::LockClient::memory().once("export")?;
+    /// let Begin::Acquired(guard) = once.begin("").await? else { unreachable!() };
+    /// let reader = tokio::spawn({
+    ///     let once = once.clone();
+    ///     async move { once.wait_parts(0, 16, Instant::now() + Duration::from_secs(5)).await }
+    /// });
+    /// guard.append(b"first").await?;
+    /// assert_eq!(reader.await.unwrap()?.parts(), [&b"first"[..]]);
+    /// # Ok(()) }
+    /// ```
+    pub async fn wait_parts(
+        &self,
+        from: u64,
+        max: usize,
+        until: Instant,
+    ) -> Result<Parts, LockError> {
+        self.follow(from).next(max, until).await
+    }
+
+    /// A reader of this record from part `from` on: each [`Follower::next`] returns the parts
+    /// that follow the last ones it returned, waiting for them while the holder writes. It keeps
+    /// one subscription for its lifetime and sticks to one writer (see [`Follower::next`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// use std::time::{Duration, Instant};
+    /// use distlock::{Begin, once::RecordState};
+    /// let once = distlock::LockClient::memory().once("tokens")?;
+    /// let Begin::Acquired(guard) = once.begin("").await? else { unreachable!() };
+    /// type Error = Box<dyn std::error::Error + Send + Sync>;
+    /// let reader = tokio::spawn({
+    ///     let mut follower = once.follow(0);
+    ///     async move {
+    ///         let mut body = Vec::new();
+    ///         loop {
+    ///             let until = Instant::now() + Duration::from_secs(5);
+    ///             let read = follower.next(16, until).await?;
+    ///             read.parts().iter().for_each(|p| body.extend_from_slice(p));
+    ///             match read.state() {
+    ///                 _ if read.is_complete() => return Ok::<_, Error>(body),
+    ///                 RecordState::Abandoned => return Err("the writer is gone".into()),
+    ///                 _ => continue, // more to come, or more to read
+    ///             }
+    ///         }
+    ///     }
+    /// });
+    /// guard.append(b"Hello, ").await?;
+    /// guard.complete(b"world").await?;
+    /// assert_eq!(reader.await.unwrap().unwrap(), b"Hello, world");
+    /// # Ok(()) }
+    /// ```
+    pub fn follow(&self, from: u64) -> Follower {
+        Follower {
+            once: self.clone(),
+            next: from,
+            writer: None,
+            waiter: None,
+        }
+    }
+}
+
+/// A reader of a run-once record that follows it part by part while it is written (see
+/// [`Once::follow`]).
+///
+/// It sticks to one writer: the first writer it sees (or the one given to
+/// [`expect_writer`](Follower::expect_writer), for example the fence of
+/// [`Begin::InFlight`]). If the store shows another writer (the first one died or lost its
+/// lease and a new holder started over), it reports [`RecordState::Abandoned`] with the first
+/// writer's fence and no parts: parts of two writers are never mixed.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), distlock::LockError> {
+/// let once = distlock::LockClient::memory().once("k")?;
+/// let follower = once.follow(0).expect_writer(7);
+/// assert_eq!(follower.writer(), Some(7));
+/// assert_eq!(follower.position(), 0);
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct Follower {
+    once: Once,
+    next: u64,
+    writer: Option<u64>,
+    /// Registered at the first wait, kept until dropped.
+    waiter: Option<Waiter>,
+}
+
+impl Follower {
+    /// Follows only the writer with this fencing token.
+    ///
+    /// ```
+    /// let once = distlock::LockClient::memory().once("k").unwrap();
+    /// assert_eq!(once.follow(0).expect_writer(3).writer(), Some(3));
+    /// ```
+    #[must_use]
+    pub fn expect_writer(mut self, fence: u64) -> Self {
+        self.writer = Some(fence);
+        self
+    }
+
+    /// The fencing token of the writer followed, once known.
+    ///
+    /// ```
+    /// let once = distlock::LockClient::memory().once("k").unwrap();
+    /// assert_eq!(once.follow(0).writer(), None);
+    /// ```
+    pub fn writer(&self) -> Option<u64> {
+        self.writer
+    }
+
+    /// The index of the next part to read.
+    ///
+    /// ```
+    /// let once = distlock::LockClient::memory().once("k").unwrap();
+    /// assert_eq!(once.follow(4).position(), 4);
+    /// ```
+    pub fn position(&self) -> u64 {
+        self.next
+    }
+
+    /// Up to `max` parts from the current position on; while the holder writes and has not
+    /// appended the next part yet, waits for it until `until` (see [`Once::wait_parts`]).
+    /// Advances past the parts returned.
+    ///
+    /// # Errors
+    /// As [`Once::parts`].
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// use std::time::{Duration, Instant};
+    /// use distlock::{Begin, once::RecordState};
+    /// let once = distlock::LockClient::memory().once("k")?;
+    /// let Begin::Acquired(guard) = once.begin("").await? else { unreachable!() };
+    /// let mut follower = once.follow(0);
+    /// let soon = Instant::now() + Duration::from_millis(20);
+    /// let read = follower.next(8, soon).await?;
+    /// assert!(read.parts().is_empty(), "nothing yet, the deadline passed");
+    /// assert_eq!(read.state(), RecordState::Writing { parts: 0 });
+    /// guard.append(b"x").await?;
+    /// assert_eq!(follower.next(8, soon).await?.parts(), [&b"x"[..]]);
+    /// assert_eq!(follower.position(), 1);
+    /// # Ok(()) }
+    /// ```
+    pub async fn next(&mut self, max: usize, until: Instant) -> Result<Parts, LockError> {
+        let config = self.once.config.clone();
+        let mut backoff = Backoff::new(config.retry_base(), config.retry_max());
+        loop {
+            if let Some(waiter) = &mut self.waiter {
+                // Before looking: an announcement made while we look wakes the wait below.
+                waiter.mark_seen();
+            }
+            let read = self.pinned(self.once.parts(self.next, max).await?);
+            let now = crate::clock::now();
+            if read.ready(self.next) || now >= until {
+                self.next = read.next();
+                return Ok(read);
+            }
+            let left = until - now;
+            match &mut self.waiter {
+                None => {
+                    // Subscribe, then look again: what was announced before the subscription
+                    // was not heard.
+                    let backend = self.once.client.backend();
+                    let mut waiter = backend
+                        .waiters()
+                        .register_as(self.once.name.channel(), Kind::Reader);
+                    waiter.subscribed(config.op_timeout().min(left)).await;
+                    self.waiter = Some(waiter);
+                }
+                Some(waiter) => {
+                    let mut delay = if config.polling() {
+                        backoff.next_delay().min(left)
+                    } else {
+                        left
+                    };
+                    if let Some(lease) = read.lease_left {
+                        // A writer that dies announces nothing: look when its lease ends.
+                        delay = delay.min(lease + Duration::from_millis(1));
+                    }
+                    tokio::select! {
+                        () = waiter.progressed() => {}
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// `read`, unless it is another writer's: then `Abandoned` for ours.
+    fn pinned(&mut self, read: Parts) -> Parts {
+        if read.state == RecordState::Abandoned {
+            return read;
+        }
+        match self.writer {
+            None => {
+                self.writer = Some(read.fence);
+                read
+            }
+            Some(fence) if fence == read.fence => read,
+            Some(fence) => Parts::new(read.from, Vec::new(), fence, RecordState::Abandoned, None),
+        }
+    }
+}
+
+/// Runs `call` until it succeeds, retrying transient failures (a dropped connection, a
+/// failover) while the guard's lease can still be proven held; each try is bounded by the
+/// command timeout. Only for calls the store recognises when repeated (completion, append).
+async fn within_lease<T, F, Fut>(guard: &LockGuard, what: &str, mut call: F) -> Result<T, LockError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, LockError>>,
+{
+    let config = guard.config();
+    let lease = guard.lease();
+    let mut backoff = Backoff::new(config.retry_base(), config.retry_max());
+    loop {
+        let error = match tokio::time::timeout(config.op_timeout(), call()).await {
+            Ok(Ok(done)) => return Ok(done),
+            Ok(Err(error)) => error.into_ambiguous(),
+            Err(_) => LockError::timeout(guard.name(), true, config.op_timeout()),
+        };
+        if !(error.is_unavailable() && lease.is_held()) {
+            return Err(error);
+        }
+        tracing::debug!(lock = guard.name(), %error, "{what} failed; retrying within the lease");
+        tokio::time::sleep(backoff.next_delay()).await;
+    }
+}
+
+/// Refuses a part no store accepts.
+fn check_part(name: &str, part: &[u8]) -> Result<(), LockError> {
+    if part.len() > MAX_PART_LEN {
+        return Err(LockError::TooLarge {
+            name: name.to_owned(),
+            len: part.len(),
+            max: MAX_PART_LEN,
+        });
+    }
+    Ok(())
 }
 
 /// The holder of a run-once lock. [`complete`](OnceGuard::complete) stores the record and
 /// releases; dropping it (error, panic, cancellation) releases without a record, so a retry does
-/// the work again.
+/// the work again. [`append`](OnceGuard::append) streams the record part by part before it is
+/// complete (readers follow it live); dropping or aborting after appends deletes the parts.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
@@ -245,6 +969,10 @@ impl Once {
 #[must_use = "dropping the guard releases the lock without a record"]
 pub struct OnceGuard {
     guard: LockGuard,
+    /// Parts stored so far: the index of the next one.
+    appended: AtomicU64,
+    /// One append at a time, in the order they were called.
+    appending: tokio::sync::Mutex<()>,
 }
 
 impl OnceGuard {
@@ -276,15 +1004,97 @@ impl OnceGuard {
         self.guard.fence()
     }
 
-    /// Stores `record` and releases, atomically, only if the lock is still ours. A transient
-    /// failure is retried while the lease can be proven held: a retry of a completion that did
-    /// happen is recognised as such.
+    /// How many parts [`append`](OnceGuard::append) stored so far.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// let once = distlock::LockClient::memory().once("job")?;
+    /// let distlock::Begin::Acquired(g) = once.begin("").await? else { unreachable!() };
+    /// assert_eq!(g.appended(), 0);
+    /// g.append(b"part").await?;
+    /// assert_eq!(g.appended(), 1);
+    /// # Ok(()) }
+    /// ```
+    pub fn appended(&self) -> u64 {
+        self.appended.load(Ordering::Acquire)
+    }
+
+    /// Appends the next part of the record and returns its index (0-based), atomically, only if
+    /// the lock is still ours; refreshes the retention of every key of the record and wakes its
+    /// readers ([`Once::follow`], [`Once::wait_parts`], and a [`Once::begin_wait`] that waits
+    /// for the first part). Appends run one at a time, in call order.
+    ///
+    /// Idempotent: the store is told the index of the part, and a retry of an append that
+    /// happened (its reply was lost) is recognised, so a part is never stored twice. A
+    /// transient failure is retried while the lease can be proven held, as for
+    /// [`complete`](OnceGuard::complete). An append whose future was dropped mid-flight may or
+    /// may not have happened: appending the same part again is recognised; another part at
+    /// that index is refused with [`LockError::BrokenRecord`].
+    ///
+    /// # Errors
+    /// [`LockError::LeaseLost`] if the lock is not ours any more (nothing appended);
+    /// [`LockError::Unavailable`] if the store could not be reached within the lease (the
+    /// part may or may not be stored: appending it again is recognised);
+    /// [`LockError::TooLarge`] above [`MAX_PART_LEN`]; [`LockError::Capacity`] when the
+    /// in-memory store is full; [`LockError::BrokenRecord`] if the stored parts are not the
+    /// ones appended (a part evicted or deleted behind the record's back);
+    /// [`LockError::Unsupported`] on Redlock ([`LockClient::supports_streaming`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// let once = distlock::LockClient::memory().once("export")?;
+    /// let distlock::Begin::Acquired(g) = once.begin("").await? else { unreachable!() };
+    /// assert_eq!(g.append(b"HTTP/1.1 200 OK").await?, 0);
+    /// assert_eq!(g.append(b"chunk").await?, 1);
+    /// g.complete(b"end").await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn append(&self, part: &[u8]) -> Result<u64, LockError> {
+        let name = self.guard.name();
+        check_part(name, part)?;
+        let _turn = self.appending.lock().await;
+        let index = self.appended();
+        let (backend, op) = (self.guard.backend(), self.guard.op());
+        let appended =
+            within_lease(&self.guard, "append", || backend.append(op, index, part)).await?;
+        match appended {
+            Appended::Stored => {
+                self.appended
+                    .store(index.saturating_add(1), Ordering::Release);
+                // Local readers at once; the store's announcement reaches the others.
+                backend.waiters().progress(op.name.channel());
+                Ok(index)
+            }
+            Appended::NotOwner => {
+                self.guard.lease().shared().set_lost(LossReason::NotOwner);
+                Err(LockError::LeaseLost {
+                    name: name.to_owned(),
+                    reason: LossReason::NotOwner,
+                })
+            }
+            Appended::Mismatch { len } => Err(LockError::broken(
+                name,
+                format!(
+                    "part {index} was to be appended, the store holds {len} parts and not this one at {index}"
+                ),
+            )),
+        }
+    }
+
+    /// Stores the record and releases, atomically, only if the lock is still ours. Without
+    /// earlier appends, `record` is the whole record (one part). After appends, `record` is the
+    /// last part and the record is done with `appended() + 1` parts. A transient failure is
+    /// retried while the lease can be proven held: a retry of a completion that did happen is
+    /// recognised as such.
     ///
     /// # Errors
     /// [`LockError::LeaseLost`] if the lock was not ours any more (nothing stored: another
     /// holder may be doing the work); [`LockError::Unavailable`] if the store could not be
     /// reached within the lease (the guard is then released on drop; a record may or may not
-    /// have been stored).
+    /// have been stored); [`LockError::TooLarge`] above [`MAX_PART_LEN`];
+    /// [`LockError::BrokenRecord`] if parts appended before are missing from the store.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -295,45 +1105,29 @@ impl OnceGuard {
     /// # Ok(()) }
     /// ```
     pub async fn complete(mut self, record: &[u8]) -> Result<(), LockError> {
-        let config = self.guard.config().clone();
         let name = self.guard.name().to_owned();
-        let lease = self.guard.lease();
-        let mut backoff = crate::Backoff::new(config.retry_base(), config.retry_max());
-        loop {
-            let stored = tokio::time::timeout(
-                config.op_timeout(),
-                self.guard.backend().complete(self.guard.op(), record),
-            )
-            .await;
-            let error = match stored {
-                Ok(Ok(true)) => {
-                    self.guard.disarm();
-                    crate::backend::wake_next(&**self.guard.backend(), self.guard.op());
-                    return Ok(());
-                }
-                Ok(Ok(false)) => {
-                    lease.shared().set_lost(LossReason::NotOwner);
-                    self.guard.disarm();
-                    return Err(LockError::LeaseLost {
-                        name,
-                        reason: LossReason::NotOwner,
-                    });
-                }
-                Ok(Err(error)) => error.into_ambiguous(),
-                Err(_) => LockError::timeout(&name, true, config.op_timeout()),
-            };
-            // The completion is idempotent (the store recognises our own earlier attempt), so
-            // a transient failure (a dropped connection, a failover) is retried while the
-            // lease can still be proven held.
-            if !(error.is_unavailable() && lease.is_held()) {
-                return Err(error);
-            }
-            tracing::debug!(lock = %name, %error, "completion failed; retrying within the lease");
-            tokio::time::sleep(backoff.next_delay()).await;
+        check_part(&name, record)?;
+        let appended = self.appended();
+        let (backend, op) = (self.guard.backend(), self.guard.op());
+        let stored = within_lease(&self.guard, "completion", || {
+            backend.complete(op, record, appended)
+        })
+        .await?;
+        if stored {
+            self.guard.disarm();
+            crate::backend::wake_next(&**self.guard.backend(), self.guard.op());
+            return Ok(());
         }
+        self.guard.lease().shared().set_lost(LossReason::NotOwner);
+        self.guard.disarm();
+        Err(LockError::LeaseLost {
+            name,
+            reason: LossReason::NotOwner,
+        })
     }
 
-    /// Releases without storing a record; returns whether the lock was still ours.
+    /// Releases without storing a record (deleting the parts appended, if any); returns whether
+    /// the lock was still ours.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -345,5 +1139,44 @@ impl OnceGuard {
     /// ```
     pub async fn abort(self) -> Result<bool, LockError> {
         self.guard.release().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A part (or whole record) above the limit is refused before anything is sent, with an
+    /// error and no panic; the guard stays usable after a refused append.
+    #[tokio::test]
+    async fn parts_above_the_limit_are_refused() {
+        let client = LockClient::memory();
+        let once = client.once("big").unwrap();
+        let Begin::Acquired(g) = once.begin("").await.unwrap() else {
+            panic!("free")
+        };
+        // Zeroed and never touched: the pages are not really allocated.
+        let huge = vec![0u8; MAX_PART_LEN + 1];
+        match g.append(&huge).await {
+            Err(LockError::TooLarge { len, max, .. }) => {
+                assert_eq!((len, max), (MAX_PART_LEN + 1, MAX_PART_LEN));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(g.appended(), 0);
+        assert_eq!(g.append(b"fine").await.unwrap(), 0);
+        assert!(matches!(
+            g.complete(&huge).await,
+            Err(LockError::TooLarge { .. })
+        ));
+        drop(huge);
+        assert!(client.settle(Duration::from_secs(5)).await);
+        let Begin::Acquired(_) = once.begin("").await.unwrap() else {
+            panic!("the refused completion released the lock, parts and all")
+        };
+        assert_eq!(
+            once.parts(0, 8).await.unwrap().state(),
+            RecordState::Writing { parts: 0 }
+        );
     }
 }

@@ -2,9 +2,12 @@
 //! must be interchangeable.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use distlock::{Begin, LockClient, LockConfig, LockError, LossReason, OwnerId};
+use ::redis::AsyncCommands;
+use bytes::Bytes;
+use distlock::once::{Follower, RecordState};
+use distlock::{Begin, LockClient, LockConfig, LockError, LossReason, OnceGuard, OwnerId};
 use testkit::{History, RedisServer};
 
 fn ms(v: u64) -> Duration {
@@ -56,6 +59,14 @@ impl Store {
             _ => unreachable!(),
         }
     }
+
+    /// Whether any of `keys` exists in Redis (memory: `None`, no keys to look at).
+    async fn any_exists(&self, keys: &[&str]) -> Option<bool> {
+        let server = self._server.as_ref()?;
+        let mut c = server.connection().await;
+        let n: u64 = c.exists(keys).await.unwrap();
+        Some(n > 0)
+    }
 }
 
 macro_rules! both {
@@ -88,6 +99,12 @@ both!(
     late_completion_is_refused,
     exclusion_without_fencing,
     reentrant_holds_never_shorten_each_others_lease,
+    a_streamed_record_round_trips_byte_for_byte,
+    readers_attached_before_during_and_after_the_stream,
+    one_append_wakes_every_reader,
+    a_lost_lease_mid_stream_is_abandoned_and_the_next_holder_starts_clean,
+    abort_and_drop_after_appends_leave_no_parts,
+    begin_wait_returns_on_the_first_part,
 );
 
 async fn exclusion_and_fencing(store: Store) {
@@ -210,7 +227,9 @@ async fn once_lifecycle(store: Store) {
         panic!("the dropped guard was released")
     };
     g.complete(b"rec").await.unwrap();
-    assert!(matches!(once.begin("t4").await.unwrap(), Begin::Done(r) if &r[..] == b"rec"));
+    assert!(
+        matches!(once.begin("t4").await.unwrap(), Begin::Done(r) if r.whole().is_some_and(|w| &w[..] == b"rec"))
+    );
 }
 
 async fn late_completion_is_refused(store: Store) {
@@ -235,7 +254,9 @@ async fn late_completion_is_refused(store: Store) {
         })
     ));
     fast.complete(b"fast").await.unwrap();
-    assert!(matches!(once.begin("").await.unwrap(), Begin::Done(r) if &r[..] == b"fast"));
+    assert!(
+        matches!(once.begin("").await.unwrap(), Begin::Done(r) if r.whole().is_some_and(|w| &w[..] == b"fast"))
+    );
 }
 
 async fn exclusion_without_fencing(store: Store) {
@@ -315,4 +336,308 @@ async fn reentrant_holds_never_shorten_each_others_lease(store: Store) {
         );
     }
     assert!(outer.release().await.unwrap());
+}
+
+fn b(v: &[u8]) -> Bytes {
+    Bytes::copy_from_slice(v)
+}
+
+/// Begins `name` and expects the lock.
+async fn holder(once: &distlock::Once) -> OnceGuard {
+    match once.begin("fp").await.unwrap() {
+        Begin::Acquired(g) => g,
+        other => panic!("expected the lock: {other:?}"),
+    }
+}
+
+/// Follows a record to its end (or its writer's end); returns the bytes read in order, or the
+/// state it stopped at.
+async fn read_all(mut follower: Follower) -> Result<Vec<Bytes>, RecordState> {
+    let mut parts = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let read = follower.next(2, deadline).await.unwrap();
+        assert!(Instant::now() < deadline, "the stream did not end in time");
+        parts.extend(read.parts().iter().cloned());
+        if read.is_complete() {
+            return Ok(parts);
+        }
+        if !matches!(
+            read.state(),
+            RecordState::Writing { .. } | RecordState::Done { .. }
+        ) {
+            return Err(read.state());
+        }
+    }
+}
+
+/// Parts of every size class (empty, binary with zero bytes, 64 KiB) come back byte for byte;
+/// the record is done with its part count, `begin` shows the first part and the count, reads
+/// start anywhere, and absurd positions return nothing rather than panic.
+async fn a_streamed_record_round_trips_byte_for_byte(store: Store) {
+    let client = store.client(LockConfig::default()).await;
+    let once = client.once("stream-rt").unwrap();
+    let g = holder(&once).await;
+    let big: Vec<u8> = (0..64 * 1024).map(|i| (i % 251) as u8).collect();
+    let parts = [b(b"HTTP/1.1 200"), b(b""), b(&[0, 1, 0, 255]), b(&big)];
+    for (i, part) in parts.iter().enumerate() {
+        assert_eq!(g.append(part).await.unwrap(), i as u64);
+    }
+    assert_eq!(g.appended(), 4);
+    let fence = g.fence();
+    g.complete(b"end").await.unwrap();
+    let mut all = parts.to_vec();
+    all.push(b(b"end"));
+
+    let read = once.parts(0, 100).await.unwrap();
+    assert_eq!(read.parts(), &all[..]);
+    assert_eq!(read.state(), RecordState::Done { parts: 5 });
+    assert_eq!(read.fence(), fence);
+    assert!(read.is_complete());
+    assert_eq!(once.parts(2, 2).await.unwrap().parts(), &all[2..4]);
+    let state_only = once.parts(0, 0).await.unwrap();
+    assert!(state_only.parts().is_empty());
+    assert_eq!(state_only.state(), RecordState::Done { parts: 5 });
+    for (from, max) in [(5, 10), (u64::MAX, usize::MAX), (i64::MAX as u64, 3)] {
+        let read = once.parts(from, max).await.unwrap();
+        assert!(read.parts().is_empty(), "{from} {max}");
+        assert_eq!(read.state(), RecordState::Done { parts: 5 });
+    }
+    match once.begin("fp").await.unwrap() {
+        Begin::Done(record) => {
+            assert_eq!(record.first(), &all[0]);
+            assert_eq!(record.parts(), 5);
+            assert!(record.whole().is_none());
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // A record written whole is the one-part case of the same reads.
+    let whole = client.once("stream-whole").unwrap();
+    holder(&whole).await.complete(b"whole").await.unwrap();
+    let read = whole.parts(0, 8).await.unwrap();
+    assert_eq!(read.parts(), [b(b"whole")]);
+    assert_eq!(read.state(), RecordState::Done { parts: 1 });
+    assert!(whole.parts(1, 8).await.unwrap().parts().is_empty());
+    assert_ne!(
+        store.any_exists(&[whole.name().parts_key()]).await,
+        Some(true),
+        "a one-part record has no parts key"
+    );
+}
+
+/// Three readers: one attached before the first part, one mid-stream, one after the end. Each
+/// reads the same parts in the same order as written.
+async fn readers_attached_before_during_and_after_the_stream(store: Store) {
+    let writer = store.client(LockConfig::default()).await;
+    let reader = store.client(LockConfig::default()).await;
+    let once = writer.once("stream-readers").unwrap();
+    let theirs = reader.once("stream-readers").unwrap();
+    let g = holder(&once).await;
+    let before = tokio::spawn(read_all(theirs.follow(0)));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let written: Vec<Bytes> = (0..7).map(|i| b(format!("part {i}").as_bytes())).collect();
+    for part in &written[..3] {
+        g.append(part).await.unwrap();
+    }
+    let during = tokio::spawn(read_all(theirs.follow(0)));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for part in &written[3..6] {
+        g.append(part).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    g.complete(&written[6]).await.unwrap();
+    let after = read_all(theirs.follow(0)).await;
+    for (when, got) in [
+        ("before", before.await.unwrap()),
+        ("during", during.await.unwrap()),
+        ("after", after),
+    ] {
+        assert_eq!(got.as_deref(), Ok(&written[..]), "reader attached {when}");
+    }
+    // A reader can start anywhere.
+    assert_eq!(
+        read_all(theirs.follow(5)).await.as_deref(),
+        Ok(&written[5..])
+    );
+}
+
+/// With polling off, only announcements can wake a reader: eight readers in another client
+/// wait for part 0, and one append wakes every one of them (long before the holder's lease or
+/// their deadline).
+async fn one_append_wakes_every_reader(store: Store) {
+    let quiet = LockConfig::builder().polling(false).build().unwrap();
+    let writer = store.client(quiet.clone()).await;
+    let reader = store.client(quiet).await;
+    let once = writer.once("stream-wake").unwrap();
+    let g = holder(&once).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let readers: Vec<_> = (0..8)
+        .map(|_| {
+            let once = reader.once("stream-wake").unwrap();
+            tokio::spawn(async move { once.wait_parts(0, 4, deadline).await.unwrap() })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let appended = Instant::now();
+    g.append(b"tick").await.unwrap();
+    for r in readers {
+        let read = tokio::time::timeout(Duration::from_secs(2), r)
+            .await
+            .expect("woken by the announcement")
+            .unwrap();
+        assert_eq!(read.parts(), [b(b"tick")]);
+        assert_eq!(read.state(), RecordState::Writing { parts: 1 });
+    }
+    assert!(appended.elapsed() < Duration::from_secs(2));
+    g.complete(b"end").await.unwrap();
+}
+
+/// The writer's lease runs out mid-stream (no watchdog): its reader sees `Abandoned`, its later
+/// appends and completion store nothing (`LeaseLost`), and the next holder starts from no parts
+/// with a greater fence. The first reader never gets the new writer's parts, and a plain read
+/// tells the writers apart by their fence.
+async fn a_lost_lease_mid_stream_is_abandoned_and_the_next_holder_starts_clean(store: Store) {
+    // Polling off: the reader learns the writer is gone from the end of its lease alone.
+    let short = LockConfig::builder()
+        .lease(Duration::from_millis(200))
+        .watchdog(false)
+        .polling(false)
+        .build()
+        .unwrap();
+    let client = store.client(short).await;
+    let once = client.once("stream-lost").unwrap();
+    let old = holder(&once).await;
+    old.append(b"old-0").await.unwrap();
+    old.append(b"old-1").await.unwrap();
+    let mut follower = once.follow(0);
+    let soon = Instant::now() + Duration::from_secs(5);
+    let read = follower.next(8, soon).await.unwrap();
+    assert_eq!(read.parts(), [b(b"old-0"), b(b"old-1")]);
+    assert_eq!(follower.writer(), Some(old.fence()));
+    // No part comes, and the lease ends: the reader is told at the end of the lease.
+    let read = follower.next(8, soon).await.unwrap();
+    assert_eq!(read.state(), RecordState::Abandoned);
+    assert!(read.parts().is_empty());
+    assert!(
+        Instant::now() < soon,
+        "told when the lease ended, not at the deadline"
+    );
+    assert!(matches!(
+        old.append(b"late").await,
+        Err(LockError::LeaseLost { .. })
+    ));
+
+    let new = holder(&once).await;
+    assert!(new.fence() > old.fence());
+    let fresh = once.parts(0, 8).await.unwrap();
+    assert_eq!(fresh.state(), RecordState::Writing { parts: 0 });
+    assert!(
+        fresh.parts().is_empty(),
+        "the new writer starts from no parts"
+    );
+    assert_eq!(fresh.fence(), new.fence());
+    assert_eq!(new.append(b"new-0").await.unwrap(), 0);
+    assert!(matches!(
+        old.append(b"late").await,
+        Err(LockError::LeaseLost { .. })
+    ));
+    // The old writer's reader does not get the new writer's parts.
+    let read = follower.next(8, soon).await.unwrap();
+    assert_eq!(read.state(), RecordState::Abandoned);
+    assert!(read.parts().is_empty());
+    // A reader pinned to the old writer from the start sees the same.
+    let pinned = once.follow(2).expect_writer(old.fence());
+    assert_eq!(read_all(pinned).await, Err(RecordState::Abandoned));
+    assert!(matches!(
+        old.complete(b"late").await,
+        Err(LockError::LeaseLost { .. })
+    ));
+    let new_fence = new.fence();
+    new.complete(b"new-1").await.unwrap();
+    let read = once.parts(0, 8).await.unwrap();
+    assert_eq!(read.parts(), [b(b"new-0"), b(b"new-1")]);
+    assert_eq!(read.fence(), new_fence);
+    assert_eq!(read.state(), RecordState::Done { parts: 2 });
+}
+
+/// Aborting after appends, or dropping the guard, deletes the parts: no record, no parts key,
+/// readers see `Abandoned`, and the next holder does the work again from nothing.
+async fn abort_and_drop_after_appends_leave_no_parts(store: Store) {
+    let client = store.client(LockConfig::default()).await;
+    let once = client.once("stream-abort").unwrap();
+    let parts_key = once.name().parts_key().to_owned();
+    let g = holder(&once).await;
+    g.append(b"a").await.unwrap();
+    g.append(b"b").await.unwrap();
+    assert_ne!(store.any_exists(&[&parts_key]).await, Some(false));
+    let reader = tokio::spawn({
+        let once = once.clone();
+        async move { read_all(once.follow(0)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(g.abort().await.unwrap());
+    assert_eq!(reader.await.unwrap(), Err(RecordState::Abandoned));
+    let read = once.parts(0, 8).await.unwrap();
+    assert_eq!(read.state(), RecordState::Abandoned);
+    assert!(read.parts().is_empty());
+    assert_ne!(store.any_exists(&[&parts_key]).await, Some(true));
+
+    let g = holder(&once).await;
+    assert_eq!(
+        once.parts(0, 8).await.unwrap().state(),
+        RecordState::Writing { parts: 0 }
+    );
+    g.append(b"c").await.unwrap();
+    drop(g);
+    assert!(client.settle(Duration::from_secs(5)).await);
+    assert_eq!(
+        once.parts(0, 8).await.unwrap().state(),
+        RecordState::Abandoned
+    );
+    assert_ne!(store.any_exists(&[&parts_key]).await, Some(true));
+    assert!(matches!(
+        once.begin("fp").await.unwrap(),
+        Begin::Acquired(_)
+    ));
+}
+
+/// A duplicate waiting with `begin_wait` (polling off: only the announcement can wake it) is
+/// told as soon as the holder appends its first part, with the holder's fence, so that it can
+/// follow the live stream instead of waiting for its end.
+async fn begin_wait_returns_on_the_first_part(store: Store) {
+    let quiet = LockConfig::builder().polling(false).build().unwrap();
+    let writer = store.client(quiet.clone()).await;
+    let reader = store.client(quiet).await;
+    let once = writer.once("stream-join").unwrap();
+    let g = holder(&once).await;
+    let waiting = tokio::spawn({
+        let once = reader.once("stream-join").unwrap();
+        async move { once.begin_wait("fp", Duration::from_secs(20)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "nothing to join yet");
+    g.append(b"first").await.unwrap();
+    let joined = tokio::time::timeout(Duration::from_secs(2), waiting)
+        .await
+        .expect("returned on the first part")
+        .unwrap()
+        .unwrap();
+    match joined {
+        Begin::InFlight {
+            fence, parts, tag, ..
+        } => {
+            assert_eq!((fence, parts), (g.fence(), 1));
+            assert_eq!(&tag[..], b"fp");
+            let follower = reader
+                .once("stream-join")
+                .unwrap()
+                .follow(0)
+                .expect_writer(fence);
+            let rest = tokio::spawn(read_all(follower));
+            g.complete(b"last").await.unwrap();
+            assert_eq!(rest.await.unwrap(), Ok(vec![b(b"first"), b(b"last")]));
+        }
+        other => panic!("{other:?}"),
+    }
 }

@@ -102,7 +102,21 @@ async fn locks_run_unchanged_on_a_cluster() {
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
     g.complete(b"done").await.unwrap();
-    assert!(matches!(waiting.await.unwrap(), Begin::Done(r) if &r[..] == b"done"));
+    assert!(
+        matches!(waiting.await.unwrap(), Begin::Done(r) if r.whole().is_some_and(|w| &w[..] == b"done"))
+    );
+    // A streamed record: every key of it in the record's slot (no CROSSSLOT), read back whole.
+    assert!(c.supports_streaming());
+    let stream = c.once("stream").unwrap();
+    let Begin::Acquired(g) = stream.begin("t").await.unwrap() else {
+        panic!()
+    };
+    g.append(b"a").await.unwrap();
+    g.append(b"b").await.unwrap();
+    g.complete(b"c").await.unwrap();
+    let read = stream.parts(0, 8).await.unwrap();
+    assert_eq!(read.parts(), [&b"a"[..], b"b", b"c"]);
+    assert_eq!(read.state(), distlock::once::RecordState::Done { parts: 3 });
 }
 
 /// A release announcement published on the master that owns the lock reaches a waiter whose

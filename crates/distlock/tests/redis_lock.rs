@@ -549,7 +549,9 @@ async fn once_records_on_redis() {
         panic!("free")
     };
     match once.begin("fp-b").await.unwrap() {
-        Begin::InFlight { tag, retry_after } => {
+        Begin::InFlight {
+            tag, retry_after, ..
+        } => {
             assert_eq!(&tag[..], b"fp-a");
             assert!(retry_after.is_some());
         }
@@ -566,7 +568,9 @@ async fn once_records_on_redis() {
     });
     second.complete(b"201 {\"id\":7}").await.unwrap();
     match waiter.await.unwrap().unwrap() {
-        Begin::Done(record) => assert_eq!(&record[..], b"201 {\"id\":7}"),
+        Begin::Done(record) => {
+            assert_eq!(record.whole().map(|w| &w[..]), Some(&b"201 {\"id\":7}"[..]))
+        }
         other => panic!("{other:?}"),
     }
     assert!(fence >= 2);
@@ -598,7 +602,9 @@ async fn a_completion_after_the_lease_was_lost_is_refused() {
         other => panic!("{other:?}"),
     }
     second.complete(b"right").await.unwrap();
-    assert!(matches!(once.begin("").await.unwrap(), Begin::Done(r) if &r[..] == b"right"));
+    assert!(
+        matches!(once.begin("").await.unwrap(), Begin::Done(r) if r.whole().is_some_and(|w| &w[..] == b"right"))
+    );
 }
 
 /// Announcements, proven without the polling fallback: a waiter in another client (so not
@@ -666,7 +672,7 @@ async fn releases_wake_a_waiter_in_another_client_without_polling() {
         .expect("the completion woke the waiter")
         .unwrap()
         .unwrap();
-    assert!(matches!(got, Begin::Done(r) if &r[..] == b"done"));
+    assert!(matches!(got, Begin::Done(r) if r.whole().is_some_and(|w| &w[..] == b"done")));
 }
 
 /// An ACL user without pub/sub channel rights (Redis 7's `resetchannels`): releases and
@@ -737,7 +743,9 @@ async fn without_channel_rights_writes_succeed_and_waiters_poll() {
         panic!("free")
     };
     g.complete(b"r").await.expect("the completion happened");
-    assert!(matches!(once.begin("t").await.unwrap(), Begin::Done(r) if &r[..] == b"r"));
+    assert!(
+        matches!(once.begin("t").await.unwrap(), Begin::Done(r) if r.whole().is_some_and(|w| &w[..] == b"r"))
+    );
 }
 
 /// A refused connection never sent the command: the error is not ambiguous, so no cleanup is
@@ -752,4 +760,64 @@ async fn a_refused_connection_is_not_an_ambiguous_acquisition() {
         Err(LockError::Unavailable { ambiguous, .. }) => assert!(!ambiguous),
         other => panic!("expected Unavailable, got {other:?}"),
     }
+}
+
+/// Every key of a streamed record lives for the record's retention: the state and the parts
+/// from the first append on, refreshed by every append and every renewal of the lease (a
+/// writer that appends rarely does not lose its first parts), and both after completion; the
+/// lock key has the lease and goes with the completion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_key_of_a_streamed_record_has_the_retention() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("stream-ttl");
+    let config = LockConfig::builder()
+        .lease(ms(900))
+        .op_timeout(ms(200))
+        .build()
+        .unwrap();
+    let c = client(&server, &prefix, config).await;
+    let once = c
+        .once("export")
+        .unwrap()
+        .retention(Duration::from_secs(3))
+        .unwrap();
+    let name = once.name().clone();
+    let mut r = server.connection().await;
+    let Begin::Acquired(g) = once.begin("t").await.unwrap() else {
+        panic!("free")
+    };
+    g.append(b"p0").await.unwrap();
+    let pttl = |key: String| {
+        let mut r = r.clone();
+        async move { r.pttl::<_, i64>(key).await.unwrap() }
+    };
+    let (state, parts) = (name.state_key().to_owned(), name.parts_key().to_owned());
+    assert!(
+        pttl(parts.clone()).await > 2_800,
+        "the parts have the retention"
+    );
+    assert!(pttl(state.clone()).await > 2_800);
+    assert!(
+        pttl(name.lock_key().to_owned()).await <= 900,
+        "the lock has the lease"
+    );
+    // No append for 1.5 s: the renewals keep every key's retention.
+    tokio::time::sleep(ms(1_500)).await;
+    assert!(
+        pttl(parts.clone()).await > 2_000,
+        "renewals refresh the parts too"
+    );
+    assert!(pttl(state.clone()).await > 2_000);
+    g.append(b"p1").await.unwrap();
+    assert!(
+        pttl(parts.clone()).await > 2_800,
+        "an append refreshes them"
+    );
+    g.complete(b"p2").await.unwrap();
+    for key in [&state, &parts] {
+        let ttl = pttl(key.clone()).await;
+        assert!((2_800..=3_000).contains(&ttl), "{key}: {ttl}");
+    }
+    let exists: bool = r.exists(name.lock_key()).await.unwrap();
+    assert!(!exists);
 }

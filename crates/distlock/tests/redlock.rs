@@ -398,9 +398,51 @@ async fn a_minority_completion_record_is_never_replayed() {
     for _ in 0..5 {
         let reader = redlock(&n, &prefix, config(5_000)).await;
         match reader.once("evt").unwrap().begin("z").await.unwrap() {
-            distlock::Begin::Done(r) => assert_eq!(&r[..], b"Y"),
+            distlock::Begin::Done(r) => assert_eq!(r.whole().map(|w| &w[..]), Some(&b"Y"[..])),
             other => panic!("{other:?}"),
         }
+    }
+}
+
+/// Streamed records are not offered on Redlock (every part would need a quorum read): the
+/// client says so, `append`, `parts` and `wait_parts` are refused with `Unsupported` and send
+/// nothing, and the same guard still completes a whole record, decided by quorum.
+#[tokio::test]
+async fn streaming_is_refused_on_redlock() {
+    let n = nodes(3, false).await;
+    let prefix = testkit::unique_prefix("rl-stream");
+    let client = redlock(&n, &prefix, config(5_000)).await;
+    assert!(!client.supports_streaming());
+    let once = client.once("evt").unwrap();
+    let distlock::Begin::Acquired(g) = once.begin("x").await.unwrap() else {
+        panic!("free")
+    };
+    match g.append(b"part").await {
+        Err(LockError::Unsupported { operation, .. }) => assert_eq!(operation, "append"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(g.appended(), 0);
+    assert!(matches!(
+        once.parts(0, 8).await,
+        Err(LockError::Unsupported { .. })
+    ));
+    let soon = std::time::Instant::now() + Duration::from_secs(1);
+    assert!(matches!(
+        once.wait_parts(0, 8, soon).await,
+        Err(LockError::Unsupported { .. })
+    ));
+    g.complete(b"whole").await.unwrap();
+    match once.begin("x").await.unwrap() {
+        distlock::Begin::Done(r) => {
+            assert_eq!(r.parts(), 1);
+            assert_eq!(r.whole().map(|w| &w[..]), Some(&b"whole"[..]));
+        }
+        other => panic!("{other:?}"),
+    }
+    for node in &n {
+        let mut c = node.connection().await;
+        let exists: bool = c.exists(once.name().parts_key()).await.unwrap();
+        assert!(!exists, "nothing streamed");
     }
 }
 

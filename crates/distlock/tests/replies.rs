@@ -6,11 +6,14 @@
 //!   believes in never outlasts the key in Redis;
 //! * an acquisition whose reply is lost is ambiguous and cleaned up;
 //! * a completion whose reply is lost is recognised when retried;
+//! * an append whose reply is lost is recognised when retried (stored once), and an append
+//!   dropped in flight is recognised only with the same part;
 //! * a dropped acquisition future (the caller gave up) frees what it may have taken;
 //! * the replica check (`WAIT`) runs on the connection that wrote.
 
 use std::time::{Duration, Instant};
 
+use distlock::once::RecordState;
 use distlock::{Begin, LockClient, LockConfig, LockError};
 use redis::AsyncCommands;
 use testkit::{FaultProxy, RedisServer, ServerOptions};
@@ -164,9 +167,89 @@ async fn a_lost_completion_reply_is_recognised_on_retry() {
         .expect("the completion happened: a lost reply is not a failure");
     assert_eq!(proxy.dropped(), 1);
     match once.begin("tag").await.unwrap() {
-        Begin::Done(record) => assert_eq!(&record[..], b"record"),
+        Begin::Done(record) => assert_eq!(record.whole().map(|w| &w[..]), Some(&b"record"[..])),
         other => panic!("{other:?}"),
     }
+}
+
+/// A run-once lock taken through a fault proxy (3 s lease, no watchdog: no renewal competes
+/// for the faults), ready to stream.
+async fn streaming_through_a_proxy(
+    test: &str,
+    op_timeout: Duration,
+) -> (RedisServer, FaultProxy, distlock::Once, distlock::OnceGuard) {
+    let server = RedisServer::start_owned().await;
+    let proxy = FaultProxy::start(&server).await;
+    let config = LockConfig::builder()
+        .lease(ms(3_000))
+        .op_timeout(op_timeout)
+        .watchdog(false)
+        .build()
+        .unwrap();
+    let client = client_via(&proxy, &testkit::unique_prefix(test), config).await;
+    let once = client.once("stream").unwrap();
+    let Begin::Acquired(guard) = once.begin("tag").await.unwrap() else {
+        panic!("free")
+    };
+    (server, proxy, once, guard)
+}
+
+/// Appends (and the completion of a streamed record) ran, but their replies were lost with the
+/// connection: the retries within the lease are recognised (the script finds that very part at
+/// its index; the completing token with the record), so every part is stored once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_append_reply_does_not_duplicate_the_part() {
+    let (server, proxy, once, guard) = streaming_through_a_proxy("lost-append", ms(300)).await;
+    assert_eq!(guard.append(b"p0").await.unwrap(), 0);
+    proxy.drop_next_replies(1);
+    assert_eq!(
+        guard
+            .append(b"p1")
+            .await
+            .expect("the append happened: a lost reply is not a failure"),
+        1
+    );
+    assert_eq!(proxy.dropped(), 1);
+    assert_eq!(guard.append(b"p2").await.unwrap(), 2);
+    proxy.drop_next_replies(1);
+    guard
+        .complete(b"p3")
+        .await
+        .expect("the completion happened: a lost reply is not a failure");
+    assert_eq!(proxy.dropped(), 2);
+    let read = once.parts(0, 10).await.unwrap();
+    assert_eq!(read.parts(), [&b"p0"[..], b"p1", b"p2", b"p3"]);
+    assert_eq!(read.state(), RecordState::Done { parts: 4 });
+    let mut direct = server.connection().await;
+    let stored: u64 = direct.llen(once.name().parts_key()).await.unwrap();
+    assert_eq!(stored, 4, "no part stored twice");
+}
+
+/// The caller gives up on an append after it was sent (its reply is late): the part may be
+/// stored. Appending the same part again is recognised (index 0 once); another part at that
+/// index is refused as a broken record, never stored next to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_append_is_recognised_only_with_the_same_part() {
+    let (_server, proxy, once, guard) = streaming_through_a_proxy("dropped-append", ms(900)).await;
+    proxy.delay_replies(ms(400));
+    assert!(
+        tokio::time::timeout(ms(100), guard.append(b"A"))
+            .await
+            .is_err(),
+        "the caller gave up before the reply"
+    );
+    tokio::time::sleep(ms(500)).await;
+    proxy.heal();
+    assert_eq!(guard.appended(), 0, "not known to be stored");
+    assert!(matches!(
+        guard.append(b"B").await,
+        Err(LockError::BrokenRecord { .. })
+    ));
+    assert_eq!(guard.append(b"A").await.unwrap(), 0, "recognised");
+    assert_eq!(guard.append(b"B").await.unwrap(), 1);
+    let read = once.parts(0, 10).await.unwrap();
+    assert_eq!(read.parts(), [&b"A"[..], b"B"]);
+    drop(guard);
 }
 
 /// The caller gives up (drops the future) after the acquisition was sent but before its reply

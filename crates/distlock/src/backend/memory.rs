@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::waiters::Waiters;
-use super::{Attempt, Backend, BoxFuture, Mode, Op};
-use crate::{ConfigError, LockError, OwnerId, Token};
+use super::{Appended, Attempt, Backend, BoxFuture, Mode, Op};
+use crate::once::{Parts, Record, RecordState};
+use crate::{ConfigError, LockError, LockName, OwnerId, Token};
 
 /// Bounds of the in-memory store.
 ///
@@ -49,8 +50,8 @@ impl Default for MemoryLimits {
 }
 
 impl MemoryLimits {
-    /// At most `max_entries` locks and states together, and at most `max_bytes` of keys, tags and
-    /// records. Both must be above zero.
+    /// At most `max_entries` locks and states together, and at most `max_bytes` of keys, tags,
+    /// records and the parts of streamed records. Both must be above zero.
     ///
     /// ```
     /// assert!(distlock::MemoryLimits::new(0, 1).is_err());
@@ -103,11 +104,20 @@ struct MemLock {
     expires: Instant,
 }
 
-/// Run-once state: the holder's tag and the completion record.
+/// Run-once state: the holder's tag and the completion record, whole (one part) or streamed.
 #[derive(Debug, Default)]
 struct MemState {
     tag: Option<Bytes>,
+    /// A record completed in one part.
     record: Option<Bytes>,
+    /// The parts of a streamed record: being written (while held), or complete (`streamed`).
+    parts: Vec<Bytes>,
+    /// Bytes of `parts`.
+    parts_bytes: usize,
+    /// The part count of a complete streamed record.
+    streamed: Option<u64>,
+    /// The fence of the last holder (the writer of `parts` and of the record).
+    writer: u64,
     /// The token that stored the record (a retried completion is recognised).
     completed_by: Option<Token>,
     expires: Option<Instant>,
@@ -115,7 +125,31 @@ struct MemState {
 
 impl MemState {
     fn bytes(&self) -> usize {
-        self.tag.as_ref().map_or(0, Bytes::len) + self.record.as_ref().map_or(0, Bytes::len)
+        self.tag.as_ref().map_or(0, Bytes::len)
+            + self.record.as_ref().map_or(0, Bytes::len)
+            + self.parts_bytes
+    }
+
+    /// The completed record, if any: its first part and part count.
+    fn done(&self) -> Option<Record> {
+        if let Some(record) = &self.record {
+            return Some(Record::new(record.clone(), 1));
+        }
+        let parts = self.streamed?;
+        Some(Record::new(
+            self.parts.first().cloned().unwrap_or_default(),
+            parts,
+        ))
+    }
+
+    fn push(&mut self, part: &[u8]) {
+        self.parts_bytes += part.len();
+        self.parts.push(Bytes::copy_from_slice(part));
+    }
+
+    fn clear_parts(&mut self) {
+        self.parts = Vec::new();
+        self.parts_bytes = 0;
     }
 }
 
@@ -129,6 +163,15 @@ struct Entry {
 impl Entry {
     fn live_lock(&self, now: Instant) -> Option<&MemLock> {
         self.lock.as_ref().filter(|l| l.expires > now)
+    }
+
+    /// The run-once state of the holder, made again (with its fence) if it went.
+    fn holder_state(&mut self) -> &mut MemState {
+        let writer = self.lock.as_ref().map_or(0, |l| l.fence);
+        self.state.get_or_insert_with(|| MemState {
+            writer,
+            ..MemState::default()
+        })
     }
 
     fn bytes(&self, key: &str) -> usize {
@@ -337,7 +380,7 @@ impl MemoryBackend {
         let key = op.name.lock_key();
         let once = matches!(op.mode, Mode::Once { .. });
         if let Some(entry) = store.entries.get_mut(key) {
-            if once && let Some(record) = entry.state.as_ref().and_then(|s| s.record.clone()) {
+            if once && let Some(record) = entry.state.as_ref().and_then(MemState::done) {
                 return Ok(Attempt::Done { record });
             }
             let tag = if once {
@@ -351,6 +394,7 @@ impl MemoryBackend {
             } else {
                 None
             };
+            let parts = entry.state.as_ref().map_or(0, |s| s.parts.len() as u64);
             if let Some(lock) = entry.lock.as_mut().filter(|l| l.expires > now) {
                 let ttl = Some(lock.expires - now);
                 let fence = lock.fence;
@@ -369,7 +413,12 @@ impl MemoryBackend {
                         store.index(expires, Slot::Lock, &key);
                         Ok(Attempt::Acquired { fence })
                     }
-                    _ => Ok(Attempt::Held { ttl, tag }),
+                    _ => Ok(Attempt::Held {
+                        ttl,
+                        tag,
+                        fence: if once { fence } else { 0 },
+                        parts: if once { parts } else { 0 },
+                    }),
                 };
             }
         }
@@ -397,9 +446,12 @@ impl MemoryBackend {
         let entry = store.entries.entry(shared_key.clone()).or_default();
         let mut state_expiry = None;
         if let Some(tag) = tag {
-            // Run-once state: the tag while held, the record once completed.
+            // Run-once state: the tag while held, the record once completed. A new holder
+            // starts from no parts (an abandoned writer's are dropped).
             let state = entry.state.get_or_insert_with(MemState::default);
             state.tag = Some(tag);
+            state.writer = fence;
+            state.clear_parts();
             if let Some(ttl) = state_ttl(op) {
                 state.expires = Some(crate::clock::after(now, ttl));
                 state_expiry = state.expires;
@@ -494,6 +546,10 @@ impl MemoryBackend {
         };
         if last {
             entry.lock = None;
+            if let (Mode::Once { .. }, Some(state)) = (&op.mode, entry.state.as_mut()) {
+                // No record: what was appended goes with the lock.
+                state.clear_parts();
+            }
             store.settle(&key, before);
             drop(store);
             self.waiters
@@ -502,7 +558,7 @@ impl MemoryBackend {
         true
     }
 
-    fn complete_now(&self, op: &Op, record: &[u8]) -> Result<bool, LockError> {
+    fn complete_now(&self, op: &Op, record: &[u8], appended: u64) -> Result<bool, LockError> {
         let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
@@ -516,10 +572,21 @@ impl MemoryBackend {
             return Ok(mine);
         };
         let before = store.footprint(&key);
+        let stored = store.entries[&*key]
+            .state
+            .as_ref()
+            .map_or(0, |s| s.parts.len() as u64);
+        if stored != appended {
+            return Err(LockError::broken(
+                op.name.as_str(),
+                format!("{appended} parts were appended, the store holds {stored}"),
+            ));
+        }
+        // A whole record replaces the tag; a last part comes on top of the others.
         let old = store.entries[&*key]
             .state
             .as_ref()
-            .map_or(0, MemState::bytes);
+            .map_or(0, |s| s.tag.as_ref().map_or(0, Bytes::len));
         if !store.make_room(&self.limits, 0, record.len().saturating_sub(old), now) {
             return Err(capacity(op, &store));
         }
@@ -528,8 +595,13 @@ impl MemoryBackend {
             .entries
             .get_mut(&*key)
             .expect("owned, and never evicted while held");
-        let state = entry.state.get_or_insert_with(MemState::default);
-        state.record = Some(Bytes::copy_from_slice(record));
+        let state = entry.holder_state();
+        if appended == 0 {
+            state.record = Some(Bytes::copy_from_slice(record));
+        } else {
+            state.push(record);
+            state.streamed = Some(appended.saturating_add(1));
+        }
         state.completed_by = Some(op.token);
         state.tag = None;
         let state_expiry = ttl.map(|ttl| crate::clock::after(now, ttl));
@@ -543,6 +615,111 @@ impl MemoryBackend {
         self.waiters
             .wake(op.name.channel(), op.token.as_str().as_bytes());
         Ok(true)
+    }
+
+    fn append_now(&self, op: &Op, index: u64, part: &[u8]) -> Result<Appended, LockError> {
+        let now = crate::clock::now();
+        let mut store = self.store();
+        store.sweep(now);
+        let Some(key) = Self::owned(&store, op, now) else {
+            return Ok(Appended::NotOwner);
+        };
+        let before = store.footprint(&key);
+        let (len, same) = store.entries[&*key].state.as_ref().map_or((0, false), |s| {
+            let same = usize::try_from(index)
+                .ok()
+                .and_then(|i| s.parts.get(i))
+                .is_some_and(|p| p[..] == *part);
+            (s.parts.len() as u64, same)
+        });
+        let push = if len == index {
+            true
+        } else if len == index.saturating_add(1) && same {
+            false // a retry of this same append: already there
+        } else {
+            return Ok(Appended::Mismatch { len });
+        };
+        if push && !store.make_room(&self.limits, 0, part.len(), now) {
+            return Err(capacity(op, &store));
+        }
+        let entry = store
+            .entries
+            .get_mut(&*key)
+            .expect("owned, and never evicted while held");
+        let state = entry.holder_state();
+        if push {
+            state.push(part);
+        }
+        // Every part lives as long as the record would.
+        let state_expiry = state_ttl(op).map(|ttl| crate::clock::after(now, ttl));
+        state.expires = state_expiry;
+        store.settle(&key, before);
+        if let Some(at) = state_expiry {
+            store.index(at, Slot::State, &key);
+        }
+        Ok(Appended::Stored)
+    }
+
+    fn parts_now(&self, name: &LockName, from: u64, max: usize) -> Result<Parts, LockError> {
+        let now = crate::clock::now();
+        let mut store = self.store();
+        store.sweep(now);
+        let entry = store.entries.get(name.lock_key());
+        let lock = entry.and_then(|e| e.live_lock(now));
+        let Some(state) = entry.and_then(|e| e.state.as_ref()) else {
+            let fence = lock.map_or(0, |l| l.fence);
+            return Ok(match lock {
+                // Held, by a holder whose state is gone: nothing written yet.
+                Some(l) => Parts::new(
+                    from,
+                    Vec::new(),
+                    fence,
+                    RecordState::Writing { parts: 0 },
+                    Some(l.expires - now),
+                ),
+                None => Parts::new(from, Vec::new(), fence, RecordState::Abandoned, None),
+            });
+        };
+        let slice = |parts: &[Bytes]| -> Vec<Bytes> {
+            let start = usize::try_from(from).unwrap_or(usize::MAX).min(parts.len());
+            let end = start.saturating_add(max).min(parts.len());
+            parts[start..end].to_vec()
+        };
+        if let Some(record) = &state.record {
+            let parts = if from == 0 && max > 0 {
+                vec![record.clone()]
+            } else {
+                Vec::new()
+            };
+            return Ok(Parts::new(
+                from,
+                parts,
+                state.writer,
+                RecordState::Done { parts: 1 },
+                None,
+            ));
+        }
+        if let Some(count) = state.streamed {
+            return Ok(Parts::new(
+                from,
+                slice(&state.parts),
+                state.writer,
+                RecordState::Done { parts: count },
+                None,
+            ));
+        }
+        Ok(match lock {
+            Some(l) => Parts::new(
+                from,
+                slice(&state.parts),
+                l.fence,
+                RecordState::Writing {
+                    parts: state.parts.len() as u64,
+                },
+                Some(l.expires - now),
+            ),
+            None => Parts::new(from, Vec::new(), state.writer, RecordState::Abandoned, None),
+        })
     }
 
     /// Entries and bytes in use, and how many were evicted early (for tests and metrics).
@@ -570,8 +747,31 @@ impl Backend for MemoryBackend {
         &'a self,
         op: &'a Op,
         record: &'a [u8],
+        appended: u64,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
-        Box::pin(std::future::ready(self.complete_now(op, record)))
+        Box::pin(std::future::ready(self.complete_now(op, record, appended)))
+    }
+
+    fn append<'a>(
+        &'a self,
+        op: &'a Op,
+        index: u64,
+        part: &'a [u8],
+    ) -> BoxFuture<'a, Result<Appended, LockError>> {
+        Box::pin(std::future::ready(self.append_now(op, index, part)))
+    }
+
+    fn parts<'a>(
+        &'a self,
+        name: &'a LockName,
+        from: u64,
+        max: usize,
+    ) -> BoxFuture<'a, Result<Parts, LockError>> {
+        Box::pin(std::future::ready(self.parts_now(name, from, max)))
+    }
+
+    fn supports_streaming(&self) -> bool {
+        true
     }
 
     fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>> {
@@ -620,7 +820,8 @@ mod tests {
             b.acquire_now(&c).unwrap(),
             Attempt::Held {
                 ttl: Some(_),
-                tag: None
+                tag: None,
+                ..
             }
         ));
         assert!(!b.release_now(&c), "someone else's token releases nothing");
@@ -701,23 +902,26 @@ mod tests {
         let c = op("o", mode, 10_000);
         assert_eq!(b.acquire_now(&a).unwrap(), Attempt::Acquired { fence: 1 });
         match b.acquire_now(&c).unwrap() {
-            Attempt::Held { ttl, tag } => {
+            Attempt::Held {
+                ttl, tag, fence, ..
+            } => {
                 assert!(ttl.is_some());
                 assert_eq!(tag, Some(Bytes::from_static(b"fp1")));
+                assert_eq!(fence, 1, "the holder's fence");
             }
             other => panic!("{other:?}"),
         }
-        assert!(!b.complete_now(&c, b"x").unwrap());
-        assert!(b.complete_now(&a, b"record").unwrap());
+        assert!(!b.complete_now(&c, b"x", 0).unwrap());
+        assert!(b.complete_now(&a, b"record", 0).unwrap());
         assert!(
-            b.complete_now(&a, b"record").unwrap(),
+            b.complete_now(&a, b"record", 0).unwrap(),
             "a retried completion is recognised"
         );
-        assert!(!b.complete_now(&c, b"x").unwrap());
+        assert!(!b.complete_now(&c, b"x", 0).unwrap());
         assert_eq!(
             b.acquire_now(&c).unwrap(),
             Attempt::Done {
-                record: Bytes::from_static(b"record")
+                record: Record::new(Bytes::from_static(b"record"), 1)
             }
         );
     }
@@ -735,7 +939,7 @@ mod tests {
                 b.acquire_now(&o).unwrap(),
                 Attempt::Acquired { .. }
             ));
-            assert!(b.complete_now(&o, b"r").unwrap());
+            assert!(b.complete_now(&o, b"r", 0).unwrap());
         }
         let (entries, _, evicted) = b.usage();
         assert!(entries <= 10, "{entries}");
@@ -799,6 +1003,109 @@ mod tests {
         drop(held);
     }
 
+    /// Parts count against the byte budget as they are appended (a retried append once), are
+    /// kept by a completed record, go back when an unfinished record is released, and an
+    /// append beyond the budget is refused with nothing appended.
+    #[test]
+    fn byte_accounting_with_parts() {
+        let b = MemoryBackend::new(MemoryLimits::new(100, 10_000).unwrap());
+        let once = |name: &str| {
+            op(
+                name,
+                Mode::Once {
+                    tag: Bytes::from_static(b"tag"),
+                    retention: Duration::from_secs(60),
+                },
+                10_000,
+            )
+        };
+        let a = once("parts");
+        assert!(matches!(
+            b.acquire_now(&a).unwrap(),
+            Attempt::Acquired { .. }
+        ));
+        let base = b.usage().1;
+        assert_eq!(base, a.name.lock_key().len() + 3, "key and tag");
+        assert_eq!(b.append_now(&a, 0, &[1; 1000]).unwrap(), Appended::Stored);
+        assert_eq!(b.usage().1, base + 1000);
+        assert_eq!(
+            b.append_now(&a, 0, &[1; 1000]).unwrap(),
+            Appended::Stored,
+            "a retry of the same append"
+        );
+        assert_eq!(b.usage().1, base + 1000, "counted once");
+        assert_eq!(
+            b.append_now(&a, 0, &[2; 1000]).unwrap(),
+            Appended::Mismatch { len: 1 },
+            "another part at a taken index"
+        );
+        assert_eq!(
+            b.append_now(&a, 5, b"x").unwrap(),
+            Appended::Mismatch { len: 1 }
+        );
+        assert_eq!(b.append_now(&a, 1, &[3; 2000]).unwrap(), Appended::Stored);
+        assert_eq!(b.usage().1, base + 3000);
+        // Over the budget: refused, nothing appended, nothing counted.
+        assert!(matches!(
+            b.append_now(&a, 2, &[4; 8000]),
+            Err(LockError::Capacity { .. })
+        ));
+        assert_eq!(b.usage().1, base + 3000);
+        let stranger = Op {
+            token: Token::random(),
+            ..a.clone()
+        };
+        assert_eq!(
+            b.append_now(&stranger, 2, b"x").unwrap(),
+            Appended::NotOwner
+        );
+        // Completion: the last part comes on top, the tag goes.
+        assert!(matches!(
+            b.complete_now(&a, b"end", 1),
+            Err(LockError::BrokenRecord { .. })
+        ));
+        assert!(b.complete_now(&a, b"end", 2).unwrap());
+        let done = a.name.lock_key().len() + 3003;
+        assert_eq!(b.usage(), (1, done, 0), "the record stays, the lock went");
+
+        // An unfinished record released: its parts go, and the bytes with them.
+        let c = once("released");
+        b.acquire_now(&c).unwrap();
+        b.append_now(&c, 0, &[5; 4000]).unwrap();
+        assert_eq!(b.usage().1, done + c.name.lock_key().len() + 3 + 4000);
+        assert!(b.release_now(&c));
+        assert_eq!(b.usage().1, done + c.name.lock_key().len() + 3);
+        // The next holder of an abandoned stream (lease ran out) starts from nothing.
+        let d = Op {
+            lease: Duration::from_millis(20),
+            ..once("abandoned")
+        };
+        b.acquire_now(&d).unwrap();
+        b.append_now(&d, 0, &[6; 500]).unwrap();
+        let e = Op {
+            token: Token::random(),
+            ..d.clone()
+        };
+        std::thread::sleep(Duration::from_millis(30)); // the lease runs out
+        assert_eq!(
+            b.parts_now(&e.name, 0, 10).unwrap().state(),
+            RecordState::Abandoned
+        );
+        assert!(matches!(
+            b.acquire_now(&e).unwrap(),
+            Attempt::Acquired { .. }
+        ));
+        let read = b.parts_now(&e.name, 0, 10).unwrap();
+        assert_eq!(read.state(), RecordState::Writing { parts: 0 });
+        assert_eq!(b.append_now(&d, 0, b"late").unwrap(), Appended::NotOwner);
+        let (_, bytes, _) = b.usage();
+        assert_eq!(
+            bytes,
+            done + c.name.lock_key().len() + 3 + e.name.lock_key().len() + 3,
+            "the abandoned parts are not counted any more"
+        );
+    }
+
     #[test]
     fn byte_accounting_returns_to_zero() {
         let b = MemoryBackend::new(MemoryLimits::default());
@@ -814,7 +1121,7 @@ mod tests {
             b.acquire_now(&o).unwrap(),
             Attempt::Acquired { .. }
         ));
-        assert!(b.complete_now(&o, &[7u8; 1000]).unwrap());
+        assert!(b.complete_now(&o, &[7u8; 1000], 0).unwrap());
         assert!(b.usage().1 > 1000);
         std::thread::sleep(Duration::from_millis(40));
         o.token = Token::random();

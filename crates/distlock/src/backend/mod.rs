@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use crate::once::{Parts, Record};
 use crate::{LockError, LockName, OwnerId, Token};
 
 pub(crate) mod memory;
@@ -67,13 +68,40 @@ pub(crate) fn millis(d: Duration) -> u64 {
 pub(crate) enum Attempt {
     /// Taken; the fencing token of this hold.
     Acquired { fence: u64 },
-    /// Held by someone else; remaining lease if known, and the holder's tag (`Once`).
+    /// Held by someone else; remaining lease if known, and (`Once`) the holder's tag, fence and
+    /// the parts it appended so far (0 for the other kinds).
     Held {
         ttl: Option<Duration>,
         tag: Option<Bytes>,
+        fence: u64,
+        parts: u64,
     },
     /// (`Once` only) A completion record exists.
-    Done { record: Bytes },
+    Done { record: Record },
+}
+
+impl Attempt {
+    /// Held, with no run-once details.
+    pub(crate) fn held(ttl: Option<Duration>) -> Self {
+        Attempt::Held {
+            ttl,
+            tag: None,
+            fence: 0,
+            parts: 0,
+        }
+    }
+}
+
+/// Outcome of one append.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Appended {
+    /// The part is stored at the index asked for (now, or by an earlier attempt of this same
+    /// append whose reply was lost).
+    Stored,
+    /// The lock is not held by this token: nothing appended.
+    NotOwner,
+    /// The record holds `len` parts, and not this part at the index asked for.
+    Mismatch { len: u64 },
 }
 
 /// Releases (compare-and-delete) and, if the lock was ours, wakes the next waiter in this
@@ -105,12 +133,52 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
     fn extend<'a>(&'a self, op: &'a Op, lease: Duration) -> BoxFuture<'a, Result<bool, LockError>>;
     /// Deletes the lock (one hold of a reentrant lock) if held by `op.token`, and announces it.
     fn release<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<bool, LockError>>;
-    /// (`Once`) Stores `record` and releases, if the lock is still held by `op.token`.
+    /// (`Once`) Stores `record` and releases, if the lock is still held by `op.token`. With
+    /// `appended` parts before it (streamed), `record` becomes part `appended` and the record is
+    /// done with `appended + 1` parts; the store must hold exactly `appended` parts (else
+    /// [`LockError::BrokenRecord`]).
     fn complete<'a>(
         &'a self,
         op: &'a Op,
         record: &'a [u8],
+        appended: u64,
     ) -> BoxFuture<'a, Result<bool, LockError>>;
+    /// (`Once`) Appends `part` as part `index` of the record being written, if the lock is still
+    /// held by `op.token`; recognises a retry of the same append.
+    fn append<'a>(
+        &'a self,
+        op: &'a Op,
+        index: u64,
+        part: &'a [u8],
+    ) -> BoxFuture<'a, Result<Appended, LockError>> {
+        let _ = (index, part);
+        Box::pin(std::future::ready(
+            Err(self.unsupported(&op.name, "append")),
+        ))
+    }
+    /// (`Once`) Up to `max` parts from `from` of the record being written or done, with its
+    /// state, in one atomic read.
+    fn parts<'a>(
+        &'a self,
+        name: &'a LockName,
+        from: u64,
+        max: usize,
+    ) -> BoxFuture<'a, Result<Parts, LockError>> {
+        let _ = (from, max);
+        Box::pin(std::future::ready(Err(self.unsupported(name, "parts"))))
+    }
+    /// Whether `append` and `parts` work on this store.
+    fn supports_streaming(&self) -> bool {
+        false
+    }
+    /// The error of a streaming operation this store does not offer.
+    fn unsupported(&self, name: &LockName, operation: &'static str) -> LockError {
+        LockError::Unsupported {
+            name: name.as_str().to_owned(),
+            operation,
+            store: self.describe(),
+        }
+    }
     /// Connects and loads whatever the operations need, so the first real operation does not
     /// pay for it.
     fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>>;

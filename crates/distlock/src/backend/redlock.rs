@@ -23,6 +23,10 @@
 //!   record. A holder whose lease ran out on most nodes may still store its record on a few (it
 //!   is told `LeaseLost`); that minority record is never replayed, and the next holder's record,
 //!   stored on a quorum, is the one every reader gets.
+//! * **Streamed records are not supported**: `append` and `parts` answer
+//!   `LockError::Unsupported` without sending anything (the trait's default), and
+//!   `supports_streaming` is false. A reader would need a quorum read of every part, and a
+//!   writer a quorum for every append; the layer writes records whole here instead.
 //! * **Extend** and **complete** count only when a quorum confirms; the watchdog measures the
 //!   new validity from when the renewal was sent, so a renewal confirmed too late counts for
 //!   nothing (the loss signal has already fired).
@@ -162,11 +166,14 @@ impl<C: Conn> RedlockBackend<C> {
         let mut fences = Vec::new();
         let mut held_ttl: Option<Duration> = None;
         let mut tag = None;
-        let mut records: Vec<&bytes::Bytes> = Vec::new();
+        let mut holder_fence = 0;
+        let mut records: Vec<&crate::once::Record> = Vec::new();
         for result in &fanout.results {
             match result {
-                Ok(Attempt::Acquired { fence }) => fences.push(*fence),
-                Ok(Attempt::Held { ttl, tag: t }) => {
+                Ok(Attempt::Held {
+                    ttl, tag: t, fence, ..
+                }) => {
+                    holder_fence = holder_fence.max(*fence);
                     if let Some(ttl) = ttl {
                         held_ttl = Some(held_ttl.map_or(*ttl, |h: Duration| h.min(*ttl)));
                     }
@@ -174,6 +181,7 @@ impl<C: Conn> RedlockBackend<C> {
                         tag.clone_from(t);
                     }
                 }
+                Ok(Attempt::Acquired { fence }) => fences.push(*fence),
                 Ok(Attempt::Done { record }) => records.push(record),
                 Err(_) => {}
             }
@@ -228,8 +236,14 @@ impl<C: Conn> RedlockBackend<C> {
             let source = fanout.last_error();
             return Err(self.no_quorum(op, acquired, source));
         }
-        // Held elsewhere (or split between contenders): not ours this time.
-        Ok(Attempt::Held { ttl: held_ttl, tag })
+        // Held elsewhere (or split between contenders): not ours this time. (No parts: records
+        // are written whole on Redlock.)
+        Ok(Attempt::Held {
+            ttl: held_ttl,
+            tag,
+            fence: holder_fence,
+            parts: 0,
+        })
     }
 }
 
@@ -256,9 +270,12 @@ impl<C: Conn> Backend for RedlockBackend<C> {
         &'a self,
         op: &'a Op,
         record: &'a [u8],
+        appended: u64,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
-            let fanout = self.fanout(op, |node| node.complete(op, record)).await;
+            let fanout = self
+                .fanout(op, |node| node.complete(op, record, appended))
+                .await;
             self.decide(op, fanout)
         })
     }

@@ -1,33 +1,83 @@
-//! Local registry of tasks waiting for a lock to be released.
+//! Local registry of tasks waiting for a lock to be released, or for a streamed record to grow.
 //!
-//! One slot per channel, shared by every waiter of that lock in this client; a release wakes one
-//! waiter (`notify_one`), not all of them, so a release never starts a stampede. A backend may
-//! have pub/sub feeds (one per Redis node): the first waiter of a channel subscribes it on every
-//! feed and the last one unsubscribes it. An announcement carries the releaser's token, so the
-//! same release heard from several nodes wakes one waiter, not one per node.
+//! One slot per channel, shared by every waiter of that lock in this client. Two kinds of
+//! waiters share it:
+//!
+//! * **acquirers** wait for the lock: a release wakes one of them (`notify_one`), not all, so a
+//!   release never starts a stampede;
+//! * **readers** follow a streamed run-once record: every announcement (a part appended, a
+//!   release, a completion) wakes every reader, since each of them wants the news. A reader
+//!   marks what it has seen before it looks at the store, so an announcement made between its
+//!   look and its wait is never missed.
+//!
+//! A backend may have pub/sub feeds (one per Redis node): the first waiter of a channel
+//! subscribes it on every feed and the last one unsubscribes it; every waiter of the channel
+//! waits for the same confirmation. A release announcement carries the releaser's token, so the
+//! same release heard from several nodes wakes one acquirer, not one per node; a progress
+//! announcement starts with `+` (a token never does).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::{Notify, mpsc, watch};
 
 /// A request to a pub/sub task.
 #[derive(Debug)]
 pub(crate) enum Command {
-    /// Subscribe the channel; send on the acknowledgement once the server confirmed (nothing
-    /// is sent if the subscription could not be made).
-    Subscribe(String, mpsc::Sender<()>),
+    /// Subscribe the channel; confirm on the acknowledgement once the server confirmed (drop it
+    /// if the subscription could not be made).
+    Subscribe(String, Ack),
     /// No waiter is left on the channel.
     Unsubscribe(String),
 }
 
+/// The confirmation of one channel's subscription, shared by every feed it was sent to: the
+/// first confirmation counts; when every feed dropped its copy unconfirmed, the waiters know at
+/// once that they must poll.
+#[derive(Debug, Clone)]
+pub(crate) struct Ack(Arc<watch::Sender<bool>>);
+
+impl Ack {
+    /// The server confirmed the subscription.
+    pub(crate) fn confirm(&self) {
+        self.0.send_replace(true);
+    }
+}
+
+/// What a waiter waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// The lock: woken one at a time by releases (and by progress, if it asks).
+    Acquirer,
+    /// A streamed record: woken, with every other reader, by every announcement.
+    Reader,
+}
+
+/// A progress announcement: anything but a token (tokens are hex).
+pub(crate) fn is_progress(payload: &[u8]) -> bool {
+    payload.first() == Some(&b'+')
+}
+
 #[derive(Debug)]
 struct Slot {
+    /// Acquirers: one is woken per release.
     notify: Arc<Notify>,
-    waiters: usize,
+    acquirers: usize,
+    readers: usize,
     /// The token of the last release announced on this channel.
     last: Vec<u8>,
+    /// Bumped by every announcement: wakes every reader.
+    progress: watch::Sender<u64>,
+    /// Bumped by progress announcements only (a part appended): wakes every run-once acquirer
+    /// (a waiting duplicate joins the stream), while a release still wakes one of them.
+    appends: watch::Sender<u64>,
+    /// Whether a feed confirmed the subscription (`None`: no feed, local wake-ups only).
+    confirmed: Option<watch::Receiver<bool>>,
+}
+
+fn bump(signal: &watch::Sender<u64>) {
+    signal.send_modify(|n| *n = n.wrapping_add(1));
 }
 
 /// Starts the pub/sub tasks once a Tokio runtime is there.
@@ -141,49 +191,61 @@ impl Waiters {
         }
     }
 
-    /// Registers a waiter on `channel`.
+    /// Registers an acquirer on `channel`.
     pub(crate) fn register(self: &Arc<Self>, channel: &str) -> Waiter {
+        self.register_as(channel, Kind::Acquirer)
+    }
+
+    /// Registers a waiter of `kind` on `channel`.
+    pub(crate) fn register_as(self: &Arc<Self>, channel: &str, kind: Kind) -> Waiter {
         self.start();
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        let mut ack = None;
-        let notify = match slots.get_mut(channel) {
-            Some(slot) => {
-                slot.waiters += 1;
-                slot.notify.clone()
-            }
-            None => {
-                let notify = Arc::new(Notify::new());
-                slots.insert(
-                    channel.to_owned(),
-                    Slot {
-                        notify: notify.clone(),
-                        waiters: 1,
-                        last: Vec::new(),
-                    },
-                );
-                if !self.feeds.is_empty() {
-                    let (tx, rx) = mpsc::channel(self.feeds.len());
-                    for feed in &self.feeds {
-                        let _ = feed.send(Command::Subscribe(channel.to_owned(), tx.clone()));
-                    }
-                    ack = Some(rx);
+        let slot = slots.entry(channel.to_owned()).or_insert_with(|| {
+            let confirmed = (!self.feeds.is_empty()).then(|| {
+                let (tx, rx) = watch::channel(false);
+                let ack = Ack(Arc::new(tx));
+                for feed in &self.feeds {
+                    let _ = feed.send(Command::Subscribe(channel.to_owned(), ack.clone()));
                 }
-                notify
+                rx
+            });
+            Slot {
+                notify: Arc::new(Notify::new()),
+                acquirers: 0,
+                readers: 0,
+                last: Vec::new(),
+                progress: watch::channel(0).0,
+                appends: watch::channel(0).0,
+                confirmed,
             }
-        };
+        });
+        match kind {
+            Kind::Acquirer => slot.acquirers += 1,
+            Kind::Reader => slot.readers += 1,
+        }
         Waiter {
             registry: self.clone(),
             channel: channel.to_owned(),
-            notify,
-            ack,
+            kind,
+            notify: slot.notify.clone(),
+            progress: slot.progress.subscribe(),
+            appends: slot.appends.subscribe(),
+            confirmed: slot.confirmed.clone(),
         }
     }
 
-    /// A release of `channel` by `token` was announced: wakes one waiter (or lets the next one
-    /// that waits pass at once), unless this same release was already announced.
+    /// An announcement on `channel`: a release by `token` wakes one acquirer (or lets the next
+    /// one that waits pass at once), unless this same release was already announced, and every
+    /// reader; progress (see [`is_progress`]) wakes every reader and every acquirer that asked
+    /// for it ([`Waiter::woken`]).
     pub(crate) fn wake(&self, channel: &str, token: &[u8]) {
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(slot) = slots.get_mut(channel) {
+            bump(&slot.progress);
+            if is_progress(token) {
+                bump(&slot.appends);
+                return;
+            }
             if !token.is_empty() && slot.last == token {
                 return;
             }
@@ -193,11 +255,19 @@ impl Waiters {
         }
     }
 
+    /// A streamed record on `channel` grew: wakes every reader (a local shortcut; the store's
+    /// announcement follows).
+    pub(crate) fn progress(&self, channel: &str) {
+        self.wake(channel, b"+");
+    }
+
     /// Wakes every waiter: used after a pub/sub reconnect, when releases may have been missed.
     pub(crate) fn wake_all(&self) {
         let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         for slot in slots.values() {
             slot.notify.notify_waiters();
+            bump(&slot.progress);
+            bump(&slot.appends);
         }
     }
 
@@ -207,17 +277,26 @@ impl Waiters {
         slots.keys().cloned().collect()
     }
 
-    /// Whether a channel still has waiters.
+    /// Whether a channel still has waiters (of either kind).
     pub(crate) fn is_waited(&self, channel: &str) -> bool {
         let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         slots.contains_key(channel)
     }
 
-    fn unregister(&self, channel: &str) {
+    /// Whether tasks of this client wait to acquire the lock of `channel`.
+    pub(crate) fn has_acquirers(&self, channel: &str) -> bool {
+        let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        slots.get(channel).is_some_and(|s| s.acquirers > 0)
+    }
+
+    fn unregister(&self, channel: &str, kind: Kind) {
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(slot) = slots.get_mut(channel) {
-            slot.waiters -= 1;
-            if slot.waiters == 0 {
+            match kind {
+                Kind::Acquirer => slot.acquirers -= 1,
+                Kind::Reader => slot.readers -= 1,
+            }
+            if slot.acquirers + slot.readers == 0 {
                 slots.remove(channel);
                 for feed in &self.feeds {
                     let _ = feed.send(Command::Unsubscribe(channel.to_owned()));
@@ -232,29 +311,70 @@ impl Waiters {
 pub(crate) struct Waiter {
     registry: Arc<Waiters>,
     channel: String,
+    kind: Kind,
     notify: Arc<Notify>,
-    ack: Option<mpsc::Receiver<()>>,
+    progress: watch::Receiver<u64>,
+    appends: watch::Receiver<u64>,
+    confirmed: Option<watch::Receiver<bool>>,
 }
 
 impl Waiter {
-    /// Waits (at most `limit`) until a feed confirmed the subscription. Returns whether
-    /// notifications are live; when they are not, the caller relies on polling.
+    /// Waits (at most `limit`) until a feed confirmed the channel's subscription (whichever
+    /// waiter asked for it). Returns whether notifications are live; when they are not, the
+    /// caller relies on polling.
     pub(crate) async fn subscribed(&mut self, limit: Duration) -> bool {
-        match self.ack.take() {
-            None => self.registry.feeds.is_empty() || self.registry.is_waited(&self.channel),
-            Some(mut rx) => matches!(tokio::time::timeout(limit, rx.recv()).await, Ok(Some(()))),
+        match &mut self.confirmed {
+            None => true,
+            Some(rx) => matches!(
+                tokio::time::timeout(limit, rx.wait_for(|confirmed| *confirmed)).await,
+                Ok(Ok(_))
+            ),
         }
     }
 
-    /// Resolves when a release of the lock was announced.
+    /// Resolves when a release of the lock was announced (acquirers).
+    #[cfg(test)]
     pub(crate) async fn notified(&self) {
         self.notify.notified().await;
+    }
+
+    /// Marks every announcement so far as seen: [`progressed`](Self::progressed) then resolves
+    /// only on a later one. Call it before looking at the store.
+    pub(crate) fn mark_seen(&mut self) {
+        self.progress.borrow_and_update();
+        self.appends.borrow_and_update();
+    }
+
+    /// Resolves when something was announced (a part, a release, a completion) since
+    /// [`mark_seen`](Self::mark_seen).
+    pub(crate) async fn progressed(&mut self) {
+        if self.progress.changed().await.is_err() {
+            // The slot outlives its waiters: not reached. Never resolve rather than spin.
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// Resolves on a release meant for this acquirer or, with `appends`, on a part appended
+    /// since [`mark_seen`](Self::mark_seen) (every such acquirer wakes: each wants to join the
+    /// stream).
+    pub(crate) async fn woken(&mut self, appends: bool) {
+        let notify = self.notify.clone();
+        if appends {
+            tokio::select! {
+                () = notify.notified() => {}
+                changed = self.appends.changed() => if changed.is_err() {
+                    notify.notified().await;
+                },
+            }
+        } else {
+            notify.notified().await;
+        }
     }
 }
 
 impl Drop for Waiter {
     fn drop(&mut self) {
-        self.registry.unregister(&self.channel);
+        self.registry.unregister(&self.channel, self.kind);
     }
 }
 
@@ -290,6 +410,85 @@ mod tests {
         assert_eq!(u8::from(woke(&a).await) + u8::from(woke(&b).await), 1);
     }
 
+    async fn progressed(w: &mut Waiter) -> bool {
+        tokio::time::timeout(Duration::from_millis(50), w.progressed())
+            .await
+            .is_ok()
+    }
+
+    #[tokio::test]
+    async fn progress_wakes_every_reader_and_no_acquirer() {
+        let reg = Waiters::local();
+        let mut readers: Vec<_> = (0..5).map(|_| reg.register_as("c", Kind::Reader)).collect();
+        let acquirer = reg.register("c");
+        for r in &mut readers {
+            r.mark_seen();
+        }
+        reg.progress("c");
+        for r in &mut readers {
+            assert!(progressed(r).await, "every reader wakes");
+            assert!(!progressed(r).await, "once per announcement");
+        }
+        assert!(!woke(&acquirer).await, "progress frees no lock");
+        assert!(!reg.has_acquirers("other"));
+        assert!(reg.has_acquirers("c"));
+        drop(acquirer);
+        assert!(!reg.has_acquirers("c"), "readers do not queue acquirers");
+        assert!(reg.is_waited("c"));
+    }
+
+    #[tokio::test]
+    async fn a_release_wakes_one_acquirer_and_every_reader() {
+        let reg = Waiters::local();
+        let (a, b) = (reg.register("c"), reg.register("c"));
+        let mut readers: Vec<_> = (0..3).map(|_| reg.register_as("c", Kind::Reader)).collect();
+        for r in &mut readers {
+            r.mark_seen();
+        }
+        reg.wake("c", b"t1");
+        assert!(woke(&a).await ^ woke(&b).await, "one acquirer");
+        for r in &mut readers {
+            assert!(progressed(r).await, "every reader sees the release");
+        }
+    }
+
+    /// Run-once acquirers asking for appends: a part wakes them all (each joins the stream), a
+    /// release still wakes one.
+    #[tokio::test]
+    async fn an_append_wakes_every_acquirer_that_asked_and_a_release_one() {
+        let reg = Waiters::local();
+        let mut a = reg.register("c");
+        let mut b = reg.register("c");
+        async fn woken(w: &mut Waiter) -> bool {
+            let woke = tokio::time::timeout(Duration::from_millis(50), w.woken(true))
+                .await
+                .is_ok();
+            w.mark_seen();
+            woke
+        }
+        a.mark_seen();
+        b.mark_seen();
+        reg.progress("c");
+        assert!(
+            woken(&mut a).await && woken(&mut b).await,
+            "both join the stream"
+        );
+        reg.wake("c", b"t1");
+        let (wa, wb) = (woken(&mut a).await, woken(&mut b).await);
+        assert!(wa ^ wb, "one acquirer per release: {wa} {wb}");
+    }
+
+    /// An announcement between a reader's look at the store and its wait is not missed: it
+    /// marked what it had seen before looking.
+    #[tokio::test]
+    async fn an_announcement_before_the_wait_is_not_missed() {
+        let reg = Waiters::local();
+        let mut r = reg.register_as("c", Kind::Reader);
+        r.mark_seen();
+        reg.progress("c"); // while the reader looks at the store
+        assert!(progressed(&mut r).await);
+    }
+
     #[tokio::test]
     async fn first_waiter_subscribes_on_every_feed_and_last_unsubscribes() {
         let (tx1, mut rx1) = mpsc::unbounded_channel();
@@ -309,11 +508,22 @@ mod tests {
             rx1.try_recv().is_err(),
             "the second waiter shares the subscription"
         );
-        ack.try_send(()).unwrap();
+        let mut b = b;
+        assert!(
+            tokio::time::timeout(
+                Duration::from_millis(50),
+                b.subscribed(Duration::from_secs(1))
+            )
+            .await
+            .is_err(),
+            "a later waiter waits for the same confirmation"
+        );
+        ack.confirm();
         assert!(
             a.subscribed(Duration::from_secs(1)).await,
             "one feed's confirmation suffices"
         );
+        assert!(b.subscribed(Duration::from_secs(1)).await);
         drop(a);
         assert!(rx1.try_recv().is_err());
         drop(b);

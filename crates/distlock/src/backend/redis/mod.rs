@@ -10,8 +10,9 @@ use redis::aio::ConnectionLike;
 use redis::{Cmd, Script, Value};
 
 use super::waiters::Waiters;
-use super::{Attempt, Backend, BoxFuture, Mode, Op, millis};
-use crate::LockError;
+use super::{Appended, Attempt, Backend, BoxFuture, Mode, Op, millis};
+use crate::once::{Parts, Record, RecordState};
+use crate::{LockError, LockName};
 
 mod notify;
 mod scripts;
@@ -71,7 +72,8 @@ fn bytes(v: Value) -> Option<Bytes> {
     }
 }
 
-/// Parses the reply of the acquire scripts: `{1, fence}`, `{0, pttl[, tag]}` or `{2, record}`.
+/// Parses the reply of the acquire scripts: `{1, fence}`, `{0, pttl[, tag, fence, parts]}` or
+/// `{2, record[, parts]}`.
 pub(crate) fn parse_attempt(name: &str, reply: Value) -> Result<Attempt, LockError> {
     let bad = |detail: &str| LockError::protocol(name, format!("acquire: {detail}"));
     let Value::Array(items) = reply else {
@@ -83,14 +85,17 @@ pub(crate) fn parse_attempt(name: &str, reply: Value) -> Result<Attempt, LockErr
         .as_ref()
         .and_then(int)
         .ok_or_else(|| bad("no status"))?;
+    // An optional count after the required items: absent is `default`, present must be >= 0.
+    let count = |item: Option<Value>, default: u64, what: &str| match item {
+        None => Ok(default),
+        Some(v) => int(&v)
+            .and_then(|n| u64::try_from(n).ok())
+            .ok_or_else(|| bad(&format!("bad {what}"))),
+    };
     match status {
         1 => {
-            let fence = items
-                .next()
-                .as_ref()
-                .and_then(int)
-                .ok_or_else(|| bad("no fence"))?;
-            let fence = u64::try_from(fence).map_err(|_| bad("negative fence"))?;
+            let fence = items.next().ok_or_else(|| bad("no fence"))?;
+            let fence = count(Some(fence), 0, "fence")?;
             Ok(Attempt::Acquired { fence })
         }
         0 => {
@@ -107,16 +112,95 @@ pub(crate) fn parse_attempt(name: &str, reply: Value) -> Result<Attempt, LockErr
                 p => Some(Duration::from_millis(p as u64)),
             };
             let tag = items.next().and_then(bytes);
-            Ok(Attempt::Held { ttl, tag })
+            let fence = count(items.next(), 0, "fence")?;
+            let parts = count(items.next(), 0, "part count")?;
+            Ok(Attempt::Held {
+                ttl,
+                tag,
+                fence,
+                parts,
+            })
         }
         2 => {
-            let record = items
-                .next()
-                .and_then(bytes)
-                .ok_or_else(|| bad("no record"))?;
-            Ok(Attempt::Done { record })
+            let first = items.next().ok_or_else(|| bad("no record"))?;
+            let parts = count(items.next(), 1, "part count")?;
+            let first = match (first, parts) {
+                (Value::Nil, parts) if parts > 1 => {
+                    return Err(LockError::broken(
+                        name,
+                        format!("part 0 of {parts} is missing"),
+                    ));
+                }
+                (first, _) => bytes(first).ok_or_else(|| bad("no record"))?,
+            };
+            if parts == 0 {
+                return Err(bad("a record of no parts"));
+            }
+            Ok(Attempt::Done {
+                record: Record::new(first, parts),
+            })
         }
         other => Err(bad(&format!("unknown status {other}"))),
+    }
+}
+
+/// Parses the reply of `parts.lua`: `{state, fence, parts, stored, pttl, {part, ...}}`.
+pub(crate) fn parse_parts(name: &str, from: u64, reply: Value) -> Result<Parts, LockError> {
+    let bad = |detail: &str| LockError::protocol(name, format!("parts: {detail}"));
+    let Value::Array(items) = reply else {
+        return Err(bad("not an array"));
+    };
+    let [status, fence, count, stored, pttl, list] =
+        <[Value; 6]>::try_from(items).map_err(|_| bad("not six items"))?;
+    let number = |v: &Value, what: &str| {
+        int(v)
+            .and_then(|n| u64::try_from(n).ok())
+            .ok_or_else(|| bad(&format!("bad {what}")))
+    };
+    let (fence, count, stored) = (
+        number(&fence, "fence")?,
+        number(&count, "part count")?,
+        number(&stored, "stored count")?,
+    );
+    let Value::Array(list) = list else {
+        return Err(bad("no part list"));
+    };
+    let parts = list
+        .into_iter()
+        .map(|v| bytes(v).ok_or_else(|| bad("a part is not a string")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let (state, lease_left) = match int(&status) {
+        Some(2) if stored < count => {
+            return Err(LockError::broken(
+                name,
+                format!("the record has {count} parts, the store holds {stored}"),
+            ));
+        }
+        Some(2) if count == 0 => return Err(bad("a record of no parts")),
+        Some(2) => (RecordState::Done { parts: count }, None),
+        Some(1) => {
+            let lease_left = int(&pttl)
+                .and_then(|p| u64::try_from(p).ok())
+                .map(Duration::from_millis);
+            (RecordState::Writing { parts: count }, lease_left)
+        }
+        Some(0) => (RecordState::Abandoned, None),
+        _ => return Err(bad(&format!("unknown state {status:?}"))),
+    };
+    Ok(Parts::new(from, parts, fence, state, lease_left))
+}
+
+/// The reply of `complete.lua` and `append.lua`: 1 done, 0 not ours, `-1 - n` when the list
+/// holds `n` parts and not the ones expected. Returns `Ok(n)` for the last case.
+fn parse_stored(name: &str, what: &str, reply: Value) -> Result<Result<bool, u64>, LockError> {
+    match int(&reply) {
+        Some(1) => Ok(Ok(true)),
+        Some(0) => Ok(Ok(false)),
+        Some(n) if n < 0 => Ok(Err((-1 - n) as u64)),
+        _ => Err(LockError::protocol(
+            name,
+            format!("{what}: unexpected reply {reply:?}"),
+        )),
     }
 }
 
@@ -129,6 +213,11 @@ fn parse_flag(name: &str, what: &str, reply: Value) -> Result<bool, LockError> {
             format!("{what}: unexpected reply {reply:?}"),
         )),
     }
+}
+
+/// The keys of a run-once record: lock, state, parts.
+fn record_keys(name: &LockName) -> [&str; 3] {
+    [name.lock_key(), name.state_key(), name.parts_key()]
 }
 
 /// An `EVALSHA` of `script` on `keys`; the caller appends the arguments.
@@ -147,14 +236,10 @@ pub(crate) fn parse_acquired(name: &str, reply: Value) -> Result<Attempt, LockEr
         Some(fence) if fence >= 1 => Ok(Attempt::Acquired {
             fence: fence as u64,
         }),
-        Some(0) => Ok(Attempt::Held {
-            ttl: None,
-            tag: None,
-        }),
-        Some(held) => Ok(Attempt::Held {
-            ttl: Some(Duration::from_millis((-1 - held) as u64)),
-            tag: None,
-        }),
+        Some(0) => Ok(Attempt::held(None)),
+        Some(held) => Ok(Attempt::held(Some(Duration::from_millis(
+            (-1 - held) as u64,
+        )))),
         None => Err(LockError::protocol(
             name,
             format!("acquire: unexpected reply {reply:?}"),
@@ -167,7 +252,7 @@ impl<C: Conn> RedisBackend<C> {
     /// failover) loads the script and sends it again.
     async fn eval(
         &self,
-        op: &Op,
+        name: &LockName,
         ambiguous: bool,
         script: &Script,
         cmd: Cmd,
@@ -183,7 +268,7 @@ impl<C: Conn> RedisBackend<C> {
             }
             other => other,
         };
-        reply.map_err(|e| LockError::from_redis(op.name.as_str(), ambiguous, e))
+        reply.map_err(|e| LockError::from_redis(name.as_str(), ambiguous, e))
     }
 
     /// Sends `cmd` and, with the replica check on, `WAIT` right behind it in one pipeline: on
@@ -199,7 +284,7 @@ impl<C: Conn> RedisBackend<C> {
         cmd: Cmd,
     ) -> Result<(Value, Option<Result<usize, LockError>>), LockError> {
         let Some((wanted, timeout)) = self.replicas else {
-            return Ok((self.eval(op, ambiguous, script, cmd).await?, None));
+            return Ok((self.eval(&op.name, ambiguous, script, cmd).await?, None));
         };
         let name = op.name.as_str();
         let mut pipe = redis::pipe();
@@ -290,15 +375,12 @@ impl<C: Conn> RedisBackend<C> {
             .query_async(&mut conn)
             .await
             .map_err(|e| LockError::from_redis(op.name.as_str(), false, e))?;
-        Ok(Attempt::Held {
-            ttl: match pttl {
-                // Expired between the two commands (-2), or no expiry at all (-1).
-                -2 => Some(Duration::ZERO),
-                -1 => None,
-                p => Some(Duration::from_millis(p.max(0) as u64)),
-            },
-            tag: None,
-        })
+        Ok(Attempt::held(match pttl {
+            // Expired between the two commands (-2), or no expiry at all (-1).
+            -2 => Some(Duration::ZERO),
+            -1 => None,
+            p => Some(Duration::from_millis(p.max(0) as u64)),
+        }))
     }
 
     /// (Redlock) Raises this node's fencing counter to `fence` if the lock here is ours.
@@ -309,7 +391,7 @@ impl<C: Conn> RedisBackend<C> {
             Mode::Reentrant { owner } => cmd.arg(owner.as_str()).arg(fence).arg("r"),
             _ => cmd.arg(op.token.as_str()).arg(fence).arg("x"),
         };
-        let reply = self.eval(op, false, script, cmd).await?;
+        let reply = self.eval(&op.name, false, script, cmd).await?;
         parse_flag(op.name.as_str(), "fence_sync", reply)
     }
 }
@@ -339,7 +421,7 @@ impl<C: Conn> Backend for RedisBackend<C> {
                 }
                 Mode::Once { tag, .. } => {
                     let script = &SCRIPTS.begin;
-                    let mut cmd = evalsha(script, &keys, 4);
+                    let mut cmd = evalsha(script, &record_keys(&op.name), 4);
                     cmd.arg(op.token.as_str())
                         .arg(millis(op.lease))
                         .arg(op.state_ttl_ms())
@@ -386,9 +468,16 @@ impl<C: Conn> Backend for RedisBackend<C> {
                         .arg(op.token.as_str());
                     (script, cmd)
                 }
-                _ => {
+                mode => {
                     let script = &SCRIPTS.extend;
-                    let mut cmd = evalsha(script, &keys, 3);
+                    let once = record_keys(&op.name);
+                    // A once-lock's parts live as long as its state.
+                    let keys = if matches!(mode, Mode::Once { .. }) {
+                        &once[..]
+                    } else {
+                        &keys[..]
+                    };
+                    let mut cmd = evalsha(script, keys, 3);
                     cmd.arg(op.token.as_str())
                         .arg(millis(lease))
                         .arg(op.state_ttl_ms());
@@ -414,14 +503,19 @@ impl<C: Conn> Backend for RedisBackend<C> {
                     cmd.arg(owner.as_str()).arg(op.token.as_str());
                     (script, cmd)
                 }
-                _ => {
+                mode => {
                     let script = &SCRIPTS.release;
-                    let mut cmd = evalsha(script, &[op.name.lock_key()], 1);
+                    // A once-lock released without a record takes its parts with it.
+                    let mut cmd = if matches!(mode, Mode::Once { .. }) {
+                        evalsha(script, &[op.name.lock_key(), op.name.parts_key()], 1)
+                    } else {
+                        evalsha(script, &[op.name.lock_key()], 1)
+                    };
                     cmd.arg(op.token.as_str());
                     (script, cmd)
                 }
             };
-            let reply = self.eval(op, false, script, cmd).await?;
+            let reply = self.eval(&op.name, false, script, cmd).await?;
             parse_flag(op.name.as_str(), "release", reply)
         })
     }
@@ -430,20 +524,80 @@ impl<C: Conn> Backend for RedisBackend<C> {
         &'a self,
         op: &'a Op,
         record: &'a [u8],
+        appended: u64,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
             let script = &SCRIPTS.complete;
-            let mut cmd = evalsha(script, &[op.name.lock_key(), op.name.state_key()], 3);
+            let mut cmd = evalsha(script, &record_keys(&op.name), 4);
             cmd.arg(op.token.as_str())
                 .arg(record)
+                .arg(op.state_ttl_ms())
+                .arg(appended);
+            let (reply, acknowledged) = self.eval_replicated(op, true, script, cmd).await?;
+            match parse_stored(op.name.as_str(), "complete", reply)? {
+                Ok(stored) => {
+                    if stored {
+                        self.replicated(op, acknowledged)?;
+                    }
+                    Ok(stored)
+                }
+                Err(held) => Err(LockError::broken(
+                    op.name.as_str(),
+                    format!("{appended} parts were appended, the store holds {held}"),
+                )),
+            }
+        })
+    }
+
+    fn append<'a>(
+        &'a self,
+        op: &'a Op,
+        index: u64,
+        part: &'a [u8],
+    ) -> BoxFuture<'a, Result<Appended, LockError>> {
+        Box::pin(async move {
+            let script = &SCRIPTS.append;
+            let mut cmd = evalsha(script, &record_keys(&op.name), 4);
+            cmd.arg(op.token.as_str())
+                .arg(index)
+                .arg(part)
                 .arg(op.state_ttl_ms());
             let (reply, acknowledged) = self.eval_replicated(op, true, script, cmd).await?;
-            let stored = parse_flag(op.name.as_str(), "complete", reply)?;
-            if stored {
-                self.replicated(op, acknowledged)?;
+            match parse_stored(op.name.as_str(), "append", reply)? {
+                Ok(true) => {
+                    // A part only the master knows of is lost in a failover: retried.
+                    self.replicated(op, acknowledged)?;
+                    Ok(Appended::Stored)
+                }
+                Ok(false) => Ok(Appended::NotOwner),
+                Err(len) => Ok(Appended::Mismatch { len }),
             }
-            Ok(stored)
         })
+    }
+
+    fn parts<'a>(
+        &'a self,
+        name: &'a LockName,
+        from: u64,
+        max: usize,
+    ) -> BoxFuture<'a, Result<Parts, LockError>> {
+        Box::pin(async move {
+            let script = &SCRIPTS.parts;
+            // Redis list indexes are signed 64-bit: no list is that long.
+            let start = from.min(i64::MAX as u64);
+            let last = start
+                .saturating_add(max as u64)
+                .saturating_sub(1)
+                .min(i64::MAX as u64);
+            let mut cmd = evalsha(script, &record_keys(name), 3);
+            cmd.arg(start).arg(last).arg(max);
+            let reply = self.eval(name, false, script, cmd).await?;
+            parse_parts(name.as_str(), from, reply)
+        })
+    }
+
+    fn supports_streaming(&self) -> bool {
+        true
     }
 
     fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>> {
@@ -499,24 +653,15 @@ mod tests {
         );
         assert_eq!(
             parse_acquired("k", Value::Int(-1 - 1500)).unwrap(),
-            Attempt::Held {
-                ttl: Some(Duration::from_millis(1500)),
-                tag: None
-            }
+            Attempt::held(Some(Duration::from_millis(1500)))
         );
         assert_eq!(
             parse_acquired("k", Value::Int(-1)).unwrap(),
-            Attempt::Held {
-                ttl: Some(Duration::ZERO),
-                tag: None
-            }
+            Attempt::held(Some(Duration::ZERO))
         );
         assert_eq!(
             parse_acquired("k", Value::Int(0)).unwrap(),
-            Attempt::Held {
-                ttl: None,
-                tag: None
-            }
+            Attempt::held(None)
         );
         assert!(parse_acquired("k", Value::Nil).is_err());
     }
@@ -529,10 +674,7 @@ mod tests {
         );
         assert_eq!(
             parse_attempt("k", arr(vec![Value::Int(0), Value::Int(1500)])).unwrap(),
-            Attempt::Held {
-                ttl: Some(Duration::from_millis(1500)),
-                tag: None
-            }
+            Attempt::held(Some(Duration::from_millis(1500)))
         );
         assert_eq!(
             parse_attempt(
@@ -540,13 +682,17 @@ mod tests {
                 arr(vec![
                     Value::Int(0),
                     Value::Int(-1),
-                    Value::BulkString(b"fp".to_vec())
+                    Value::BulkString(b"fp".to_vec()),
+                    Value::Int(4),
+                    Value::Int(2),
                 ])
             )
             .unwrap(),
             Attempt::Held {
                 ttl: None,
-                tag: Some(Bytes::from_static(b"fp"))
+                tag: Some(Bytes::from_static(b"fp")),
+                fence: 4,
+                parts: 2,
             }
         );
         assert_eq!(
@@ -556,9 +702,59 @@ mod tests {
             )
             .unwrap(),
             Attempt::Done {
-                record: Bytes::from_static(b"rec")
+                record: Record::new(Bytes::from_static(b"rec"), 1)
             }
         );
+        assert_eq!(
+            parse_attempt(
+                "k",
+                arr(vec![
+                    Value::Int(2),
+                    Value::BulkString(b"head".to_vec()),
+                    Value::Int(3)
+                ])
+            )
+            .unwrap(),
+            Attempt::Done {
+                record: Record::new(Bytes::from_static(b"head"), 3)
+            }
+        );
+    }
+
+    /// A streamed record whose first part is gone is reported broken, never replayed short.
+    #[test]
+    fn a_streamed_record_missing_parts_is_broken() {
+        let done = arr(vec![Value::Int(2), Value::Nil, Value::Int(3)]);
+        assert!(matches!(
+            parse_attempt("k", done),
+            Err(LockError::BrokenRecord { .. })
+        ));
+        let parts = |state: i64, count: i64, stored: i64| {
+            arr(vec![
+                Value::Int(state),
+                Value::Int(7),
+                Value::Int(count),
+                Value::Int(stored),
+                Value::Int(-1),
+                arr(vec![]),
+            ])
+        };
+        assert!(matches!(
+            parse_parts("k", 0, parts(2, 3, 2)),
+            Err(LockError::BrokenRecord { .. })
+        ));
+        let read = parse_parts("k", 0, parts(2, 3, 3)).unwrap();
+        assert_eq!(read.state(), RecordState::Done { parts: 3 });
+        assert_eq!(read.fence(), 7);
+        for bad in [parts(2, 0, 0), parts(9, 1, 1), Value::Nil, arr(vec![])] {
+            assert!(
+                matches!(
+                    parse_parts("k", 0, bad.clone()),
+                    Err(LockError::Protocol { .. })
+                ),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! One shared pub/sub connection per client, carrying the release announcements of every lock
-//! some local task is waiting for.
+//! some local task is waiting for, and the progress of the streamed records some local task
+//! reads (on the same channel: see `waiters`).
 //!
 //! The task subscribes a channel when its first local waiter arrives and unsubscribes it when the
 //! last one leaves. If the connection breaks it reconnects with backoff, subscribes again to every
@@ -136,7 +137,7 @@ async fn run(
                         match subscribed {
                             Ok(Ok(())) => {
                                 backoff.reset();
-                                let _ = ack.try_send(());
+                                ack.confirm();
                             }
                             _ => break,
                         }

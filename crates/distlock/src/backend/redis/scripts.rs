@@ -14,6 +14,8 @@ pub(crate) struct Scripts {
     pub(crate) release: Script,
     pub(crate) extend: Script,
     pub(crate) complete: Script,
+    pub(crate) append: Script,
+    pub(crate) parts: Script,
     pub(crate) reentrant_acquire: Script,
     pub(crate) reentrant_release: Script,
     pub(crate) reentrant_extend: Script,
@@ -21,13 +23,15 @@ pub(crate) struct Scripts {
 }
 
 impl Scripts {
-    pub(crate) fn all(&self) -> [&Script; 9] {
+    pub(crate) fn all(&self) -> [&Script; 11] {
         [
             &self.acquire,
             &self.begin,
             &self.release,
             &self.extend,
             &self.complete,
+            &self.append,
+            &self.parts,
             &self.reentrant_acquire,
             &self.reentrant_release,
             &self.reentrant_extend,
@@ -42,6 +46,8 @@ pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     release: Script::new(include_str!("scripts/release.lua")),
     extend: Script::new(include_str!("scripts/extend.lua")),
     complete: Script::new(include_str!("scripts/complete.lua")),
+    append: Script::new(include_str!("scripts/append.lua")),
+    parts: Script::new(include_str!("scripts/parts.lua")),
     reentrant_acquire: Script::new(include_str!("scripts/reentrant_acquire.lua")),
     reentrant_release: Script::new(include_str!("scripts/reentrant_release.lua")),
     reentrant_extend: Script::new(include_str!("scripts/reentrant_extend.lua")),

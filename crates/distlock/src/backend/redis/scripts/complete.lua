@@ -3,16 +3,32 @@
 -- the record, so that a retry of a completion whose reply was lost (a failover, a dropped
 -- connection) is recognised as done rather than refused.
 --
+-- Without appends (ARGV[4] = '0') the record is one part, in the state hash (d). After appends
+-- the record is the last part, pushed after the others, and p = the part count marks the
+-- streamed record done; the list must hold exactly the parts appended.
+--
 -- KEYS[1]  lock key
 -- KEYS[2]  state key
+-- KEYS[3]  parts key
 -- ARGV[1]  owner token
--- ARGV[2]  the record
+-- ARGV[2]  the record (one part), or the last part
 -- ARGV[3]  retention of the record in milliseconds
+-- ARGV[4]  parts appended before, '0' for a one-part record
 --
 -- Returns 1 if stored (now or by an earlier attempt with this token), 0 if the lock was not
--- ours any more.
+-- ours any more, -1 - n if n parts are stored instead of ARGV[4] (nothing is touched).
 if redis.pcall('GET', KEYS[1]) == ARGV[1] then
-  redis.call('HSET', KEYS[2], 'd', ARGV[2], 'c', ARGV[1])
+  if ARGV[4] == '0' then
+    redis.call('HSET', KEYS[2], 'd', ARGV[2], 'c', ARGV[1])
+  else
+    local stored = redis.call('LLEN', KEYS[3])
+    if stored ~= tonumber(ARGV[4]) then
+      return -1 - stored
+    end
+    redis.call('RPUSH', KEYS[3], ARGV[2])
+    redis.call('PEXPIRE', KEYS[3], ARGV[3])
+    redis.call('HSET', KEYS[2], 'p', stored + 1, 'c', ARGV[1])
+  end
   redis.call('HDEL', KEYS[2], 'm')
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
   redis.call('DEL', KEYS[1])
