@@ -15,8 +15,7 @@ use crate::fingerprint::fingerprint;
 use crate::layer::{Config, OnConflict};
 use crate::metrics::{Event, count, store_latency};
 use crate::outcome::DecisionCell;
-use crate::record::Sealer;
-use crate::replay::{problem, replay};
+use crate::replay::{Stored, join, problem, replay};
 use crate::scope::derive;
 use crate::{IdempotencyContext, Rejection};
 
@@ -213,11 +212,37 @@ where
             }
         }
         Ok(Begin::Done(record)) => {
-            // The layer stores whole records (one part) for now.
-            let stored = record.into_first();
-            let sealer = Sealer::new(&derived.record_key, &name);
-            let (response, outcome) = replay(&config, &sealer, &stored, &fingerprint, &parts);
+            let stored = Stored {
+                once: &once,
+                key: &derived.record_key,
+                name: &name,
+                fingerprint: &fingerprint,
+                request: &parts,
+            };
+            let (response, outcome) = replay(&config, stored, record).await;
             tracing::debug!(key = %name, outcome = outcome.as_str(), "idempotency: stored outcome");
+            count(outcome);
+            Decision::Respond(response)
+        }
+        Ok(Begin::InFlight {
+            tag: theirs,
+            fence,
+            parts: appended,
+            ..
+        }) if theirs[..] == fingerprint[..]
+            && appended > 0
+            && matches!(config.on_conflict, OnConflict::Wait(_)) =>
+        {
+            // The first execution is streaming its response: follow it live.
+            let stored = Stored {
+                once: &once,
+                key: &derived.record_key,
+                name: &name,
+                fingerprint: &fingerprint,
+                request: &parts,
+            };
+            let (response, outcome) = join(&config, stored, fence).await;
+            tracing::debug!(key = %name, outcome = outcome.as_str(), "idempotency: joined a response being stored");
             count(outcome);
             Decision::Respond(response)
         }

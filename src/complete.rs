@@ -1,5 +1,6 @@
 //! After the handler: store its outcome atomically with the release of the lease (only if the
-//! lease is still ours), or release without storing.
+//! lease is still ours), or release without storing. A small response is stored whole; a
+//! streamed one was appended part by part ([`crate::tee`]) and is ended here.
 
 use std::time::Instant;
 
@@ -9,10 +10,36 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use crate::begin::Run;
 use crate::metrics::{Event, count, store_latency};
 use crate::outcome::UnknownOutcome;
-use crate::record::{Encode, Kind, Sealer};
+use crate::record::{EncodeHead, Kind, Sealer};
 
-/// Stores a final response: its status, kept headers, body (`None`: over the storage limit,
-/// only the status and headers are kept) and trailers.
+impl Run {
+    /// The cipher of this execution's record.
+    pub(crate) fn sealer(&self) -> Sealer<'_> {
+        Sealer::new(&self.record_key, self.guard.guard().name())
+    }
+
+    /// The head of this execution's record for a response (`vary`: see [`negotiated`]).
+    pub(crate) fn head<'a>(
+        &'a self,
+        kind: Kind,
+        status: StatusCode,
+        headers: &'a HeaderMap,
+        vary: &'a HeaderMap,
+    ) -> EncodeHead<'a, impl Fn(&HeaderName) -> bool + 'a> {
+        EncodeHead {
+            kind,
+            fingerprint: &self.fingerprint,
+            status,
+            fence: self.guard.fence(),
+            headers,
+            keep: |name: &HeaderName| self.config.replay_headers.keeps(name),
+            vary,
+        }
+    }
+}
+
+/// Stores a final response whole (nothing was appended): its status, kept headers, body
+/// (`None`: not kept, only the status and headers are) and trailers.
 pub(crate) async fn response(
     run: Run,
     status: StatusCode,
@@ -25,30 +52,40 @@ pub(crate) async fn response(
         None => {
             tracing::warn!(
                 limit = run.config.record_limit,
-                "idempotency: response body over the storage limit; storing the outcome without it"
+                "idempotency: response body not kept (over the storage limit, or the handler said so); storing the outcome without it"
             );
             Kind::BodyNotKept
         }
     };
-    let config = run.config.clone();
-    let record = Encode {
-        fingerprint: &run.fingerprint,
-        kind,
-        status,
-        fence: run.guard.fence(),
-        headers,
-        keep: |name: &HeaderName| config.replay_headers.keeps(name),
-        body: body.unwrap_or_default(),
-        trailers: body.and(trailers),
-        vary: &negotiated(headers, &run.negotiated),
+    let vary = negotiated(headers, &run.negotiated);
+    let record = run.sealer().seal_whole(
+        &run.head(kind, status, headers, &vary),
+        body.unwrap_or_default(),
+        body.and(trailers),
+    );
+    store(run, &record, Event::Executed).await;
+}
+
+/// Ends a streamed record (its head and chunks were appended): whether the body was kept, its
+/// length, its trailers.
+pub(crate) async fn end(run: Run, kept: bool, len: u64, trailers: Option<&HeaderMap>) {
+    if !kept {
+        tracing::warn!(
+            limit = run.config.record_limit,
+            len,
+            "idempotency: streamed response body over the storage limit; its outcome is stored without it"
+        );
     }
-    .seal(&Sealer::new(&run.record_key, run.guard.guard().name()));
+    let index = run.guard.appended();
+    let record = run
+        .sealer()
+        .seal_end(index, run.guard.fence(), kept, len, trailers);
     store(run, &record, Event::Executed).await;
 }
 
 /// The request headers a response varies on (its `Vary`), with the values the request had
 /// (empty when it had none), among those the layer keeps for the check.
-fn negotiated(response: &HeaderMap, request: &HeaderMap) -> HeaderMap {
+pub(crate) fn negotiated(response: &HeaderMap, request: &HeaderMap) -> HeaderMap {
     let mut out = HeaderMap::new();
     for vary in response.get_all(header::VARY) {
         let Ok(vary) = vary.to_str() else { continue };
@@ -109,24 +146,29 @@ pub(crate) async fn unknown(run: Run, why: &str) {
                 why,
                 "idempotency: outcome unknown; recorded, retries get outcome-unknown"
             );
-            let record = Encode {
-                fingerprint: &run.fingerprint,
-                kind: Kind::Unknown,
-                status: StatusCode::INTERNAL_SERVER_ERROR,
-                fence,
-                headers: &HeaderMap::new(),
-                keep: |_: &HeaderName| false,
-                body: &[],
-                trailers: None,
-                vary: &HeaderMap::new(),
-            }
-            .seal(&Sealer::new(&run.record_key, run.guard.guard().name()));
+            let record = match run.guard.appended() {
+                0 => {
+                    let none = HeaderMap::new();
+                    run.sealer().seal_whole(
+                        &run.head(
+                            Kind::Unknown,
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            &none,
+                            &none,
+                        ),
+                        &[],
+                        None,
+                    )
+                }
+                index => run.sealer().seal_unknown(index, fence),
+            };
             store(run, &record, Event::Unknown).await;
         }
     }
 }
 
-/// Releases the key without storing anything: a retry runs the handler again.
+/// Releases the key without storing anything (and drops what was appended): a retry runs the
+/// handler again.
 pub(crate) async fn release(run: Run, event: Event) {
     if let Err(error) = run.guard.abort().await {
         tracing::debug!(%error, "idempotency: release failed; the lease will expire");

@@ -179,6 +179,7 @@ pub(crate) struct Config {
     pub(crate) body_limit: usize,
     pub(crate) read_timeout: Duration,
     pub(crate) record_limit: usize,
+    pub(crate) chunk_size: usize,
     pub(crate) retention: Duration,
     pub(crate) on_conflict: OnConflict,
     pub(crate) retry_after: Duration,
@@ -221,6 +222,7 @@ impl std::fmt::Debug for Config {
             .field("body_limit", &self.body_limit)
             .field("read_timeout", &self.read_timeout)
             .field("record_limit", &self.record_limit)
+            .field("chunk_size", &self.chunk_size)
             .field("retention", &self.retention)
             .field("on_conflict", &self.on_conflict)
             .field("retry_after", &self.retry_after)
@@ -292,7 +294,8 @@ impl IdempotencyLayer {
             fingerprint_headers: vec![header::CONTENT_TYPE],
             body_limit: 1 << 20,
             read_timeout: Duration::from_secs(30),
-            record_limit: 1 << 20,
+            record_limit: None,
+            chunk_size: 64 * 1024,
             retention: Duration::from_secs(24 * 3600),
             on_conflict: OnConflict::Reject,
             retry_after: Duration::from_secs(5),
@@ -333,7 +336,8 @@ pub struct IdempotencyLayerBuilder {
     fingerprint_headers: Vec<HeaderName>,
     body_limit: usize,
     read_timeout: Duration,
-    record_limit: usize,
+    record_limit: Option<usize>,
+    chunk_size: usize,
     retention: Duration,
     on_conflict: OnConflict,
     retry_after: Duration,
@@ -355,7 +359,14 @@ impl std::fmt::Debug for IdempotencyLayerBuilder {
 }
 
 /// The longest stored response body accepted (Redis values are at most 512 MB).
-pub const MAX_RECORD_LIMIT: usize = 256 << 20;
+pub const MAX_RECORD_LIMIT: usize = 16 << 30;
+
+/// The longest response body stored on a store that does not stream (Redlock): it is kept in
+/// memory and stored as one value (Redis values are at most 512 MB).
+pub const MAX_WHOLE_RECORD_LIMIT: usize = 256 << 20;
+
+/// The largest chunk a streamed record is stored in.
+pub const MAX_CHUNK_SIZE: usize = 64 << 20;
 
 impl IdempotencyLayerBuilder {
     /// The server secret (at least [`MIN_SECRET_LEN`] bytes; 32 random bytes recommended, the
@@ -515,16 +526,32 @@ impl IdempotencyLayerBuilder {
         self
     }
 
-    /// Largest response body stored for replay (default 1 MiB). A larger response is still sent
-    /// in full; its status and headers are stored without the body, and retries get a
-    /// `response-not-stored` problem instead of running the handler again.
+    /// Largest response body stored for replay (default 64 MiB on stores that stream records,
+    /// which hold one chunk of it in memory at a time; 1 MiB on Redlock, which keeps it in
+    /// memory and stores it whole). A larger response is still sent in full; its status and
+    /// headers are stored without the body, and retries get a `response-not-stored` problem
+    /// instead of running the handler again.
     ///
     /// ```
     /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
     ///     .record_limit(256 * 1024);
     /// ```
     pub fn record_limit(mut self, bytes: usize) -> Self {
-        self.record_limit = bytes;
+        self.record_limit = Some(bytes);
+        self
+    }
+
+    /// The size of the chunks a streamed response is stored in (default 64 KiB, from 1 KiB to
+    /// [`MAX_CHUNK_SIZE`]): the layer holds at most one chunk of a response in memory. A chunk
+    /// is also stored as soon as the body pauses, so duplicates following the stream see its
+    /// data (server-sent events) when it happens.
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .chunk_size(16 * 1024);
+    /// ```
+    pub fn chunk_size(mut self, bytes: usize) -> Self {
+        self.chunk_size = bytes;
         self
     }
 
@@ -751,12 +778,12 @@ impl IdempotencyLayerBuilder {
         if self.body_limit == 0 {
             return invalid("body_limit", "must be above zero".into());
         }
-        if self.record_limit == 0 || self.record_limit > MAX_RECORD_LIMIT {
+        if !(1024..=MAX_CHUNK_SIZE).contains(&self.chunk_size) {
             return invalid(
-                "record_limit",
+                "chunk_size",
                 format!(
-                    "{} must be between 1 and {MAX_RECORD_LIMIT} bytes",
-                    self.record_limit
+                    "{} must be between 1024 and {MAX_CHUNK_SIZE} bytes",
+                    self.chunk_size
                 ),
             );
         }
@@ -804,6 +831,22 @@ impl IdempotencyLayerBuilder {
             Some(config) => Store::from_client(self.store.client().with_config(config)?),
             None => self.store,
         };
+        let streaming = store.client().supports_streaming();
+        let (default_limit, max_limit) = if streaming {
+            (64 << 20, MAX_RECORD_LIMIT)
+        } else {
+            (1 << 20, MAX_WHOLE_RECORD_LIMIT)
+        };
+        let record_limit = self.record_limit.unwrap_or(default_limit);
+        if record_limit == 0 || record_limit > max_limit {
+            return invalid(
+                "record_limit",
+                format!(
+                    "{record_limit} must be between 1 and {max_limit} bytes on {}",
+                    store.describe()
+                ),
+            );
+        }
         // The lock crate checks the retention against the lease.
         store.client().once("probe")?.retention(self.retention)?;
         if let OnConflict::Wait(wait) = self.on_conflict {
@@ -831,7 +874,8 @@ impl IdempotencyLayerBuilder {
                 fingerprint_headers: self.fingerprint_headers,
                 body_limit: self.body_limit,
                 read_timeout: self.read_timeout,
-                record_limit: self.record_limit,
+                record_limit,
+                chunk_size: self.chunk_size,
                 retention: self.retention,
                 on_conflict: self.on_conflict,
                 retry_after: self.retry_after,
@@ -861,6 +905,8 @@ mod tests {
             (base().body_limit(0), "body_limit"),
             (base().record_limit(0), "record_limit"),
             (base().record_limit(MAX_RECORD_LIMIT + 1), "record_limit"),
+            (base().chunk_size(100), "chunk_size"),
+            (base().chunk_size(MAX_CHUNK_SIZE + 1), "chunk_size"),
             (base().read_timeout(Duration::ZERO), "read_timeout"),
             (base().retry_after(Duration::ZERO), "retry_after"),
             (base().retention(Duration::from_secs(1)), "retention"),

@@ -122,6 +122,7 @@ mod scope;
 mod secret;
 mod service;
 mod store;
+mod tee;
 
 pub use body::{BoxError, RequestBody, ResponseBody};
 pub use context::IdempotencyContext;
@@ -132,7 +133,7 @@ pub use distlock::ConfigError;
 pub use future::ResponseFuture;
 pub use key::{KeySource, KeySourceExt};
 pub use layer::{IdempotencyLayer, IdempotencyLayerBuilder, OnConflict, ReplayHeaders};
-pub use outcome::{Outcome, UnknownOutcome};
+pub use outcome::{KeepBody, Outcome, UnknownOutcome};
 pub use problem::Rejection;
 pub use replay::IDEMPOTENT_REPLAYED;
 pub use secret::MIN_SECRET_LEN;
@@ -147,15 +148,15 @@ pub mod internals {
     use bytes::Bytes;
     use http::{HeaderMap, HeaderName, StatusCode};
 
-    use crate::record::{Encode, Kind, Record, Sealer};
+    use crate::record::{EncodeHead, Kind, Part, Sealer};
     use crate::secret::Keys;
 
-    /// Decodes a record's plaintext, and opens `bytes` as a sealed record under a fixed key;
+    /// Decodes `bytes` as a part's plaintext, and opens them as a sealed part under a fixed key;
     /// must never panic, whatever the bytes.
     pub fn decode_record(bytes: &[u8]) -> Result<(), String> {
         let sealer = Sealer::new(&[7; 32], "fuzz");
-        let _ = Record::open(&sealer, bytes);
-        Record::decode(&Bytes::copy_from_slice(bytes)).map(|_| ())
+        let _ = sealer.open_part(1, 1, bytes);
+        Part::decode(&Bytes::copy_from_slice(bytes)).map(|_| ())
     }
 
     /// The fingerprint of a request's parts and body.
@@ -188,42 +189,47 @@ pub mod internals {
         ServerKeys(Keys::new(Some(secret)))
     }
 
-    fn encode<'a>(body: &'a [u8], headers: &'a HeaderMap) -> Encode<'a, fn(&HeaderName) -> bool> {
-        fn all(_: &HeaderName) -> bool {
-            true
-        }
-        Encode {
-            fingerprint: &[7; 32],
+    fn all(_: &HeaderName) -> bool {
+        true
+    }
+
+    fn head(headers: &HeaderMap) -> EncodeHead<'_, fn(&HeaderName) -> bool> {
+        EncodeHead {
             kind: Kind::Response,
+            fingerprint: &[7; 32],
             status: StatusCode::CREATED,
             fence: 1,
             headers,
             keep: all,
-            body,
-            trailers: None,
             vary: headers,
         }
     }
 
     /// A record of a response with `body`, encoded and sealed (what a completion stores).
     pub fn seal(key: &[u8; 32], name: &str, body: &[u8], headers: &HeaderMap) -> Vec<u8> {
-        encode(body, headers).seal(&Sealer::new(key, name))
+        Sealer::new(key, name).seal_whole(&head(headers), body, None)
     }
 
     /// The same record encoded without sealing (the cost of the format alone).
     pub fn encode_plain(body: &[u8], headers: &HeaderMap) -> Vec<u8> {
         let mut out = Vec::new();
-        encode(body, headers).write(&mut out, 0);
+        head(headers).write_whole(body, None, &mut out, 0);
         out
     }
 
     /// Opens and decodes a sealed record (what a replay does); returns the body length.
     pub fn open(key: &[u8; 32], name: &str, sealed: &[u8]) -> usize {
-        Record::open(&Sealer::new(key, name), sealed).map_or(0, |r| r.body.len())
+        match Sealer::new(key, name).open_part(0, 0, sealed) {
+            Ok(Part::Whole(record)) => record.body.len(),
+            _ => 0,
+        }
     }
 
     /// Decodes a plain record; returns the body length.
     pub fn decode_plain(plain: &[u8]) -> usize {
-        Record::decode(&Bytes::copy_from_slice(plain)).map_or(0, |r| r.body.len())
+        match Part::decode(&Bytes::copy_from_slice(plain)) {
+            Ok(Part::Whole(record)) => record.body.len(),
+            _ => 0,
+        }
     }
 }

@@ -71,6 +71,29 @@ pub enum Outcome {
     Retryable,
 }
 
+/// Whether a final response's body is kept for replay (a response extension; default
+/// [`KeepBody::Yes`]). With [`KeepBody::No`] the body goes to the client and is not stored: the
+/// outcome (status and headers) is, and retries get `410 response-not-stored` (for large
+/// downloads a client can fetch again, or streams not worth storing).
+///
+/// ```
+/// use axum::{Extension, response::IntoResponse};
+/// use tower_idempotency::KeepBody;
+///
+/// async fn export() -> impl IntoResponse {
+///     (Extension(KeepBody::No), "a large export the client can download again")
+/// }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum KeepBody {
+    /// Keep the body for replay, up to the record limit (default).
+    #[default]
+    Yes,
+    /// Do not keep it: store the outcome only.
+    No,
+}
+
 /// The default decision when the handler gave none: retryable for the statuses that mean "not
 /// processed" (401, 403, 408, 409, 425, 429, 503), final for every other status.
 ///

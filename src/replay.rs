@@ -1,17 +1,30 @@
-//! Turning a stored record back into a response.
+//! Turning a stored record back into a response: a whole record at once, a streamed one part by
+//! part (never assembled in memory), and a record still being written, joined live.
+//!
+//! A streamed body that cannot be read to its end (a part missing, altered or of another
+//! execution, the writer gone before its end, the store unreachable) breaks off with an error:
+//! the client sees an aborted body, never a complete short one.
 
-use bytes::Bytes;
-use http::{HeaderName, HeaderValue, Response, header};
+use std::sync::Arc;
+use std::time::Duration;
+
+use distlock::Once;
+use distlock::once::{Follower, RecordState};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, header};
+use http_body::Frame;
 
 use crate::Rejection;
-use crate::body::ResponseBody;
+use crate::body::{BoxError, Feed, Message, ResponseBody};
 use crate::complete::joined;
 use crate::layer::Config;
 use crate::metrics::Event;
-use crate::record::{Kind, Record, Sealer};
+use crate::record::{Head, Kind, Part, Record, Sealer};
 
 /// Marks a replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// Parts read per round trip while replaying or following a streamed record.
+const BATCH: usize = 4;
 
 /// A rejection as a response with the layer's body type, rendered as the layer is configured.
 pub(crate) fn problem<B>(config: &Config, rejection: &Rejection) -> Response<ResponseBody<B>> {
@@ -20,32 +33,145 @@ pub(crate) fn problem<B>(config: &Config, rejection: &Rejection) -> Response<Res
         .map(|body| ResponseBody::full(body, None))
 }
 
-/// The answer to a request whose key has a stored record.
-pub(crate) fn replay<B>(
-    config: &Config,
-    sealer: &Sealer<'_>,
-    stored: &Bytes,
-    fingerprint: &[u8; 32],
-    request: &http::request::Parts,
+/// What a request knows about the record it replays.
+pub(crate) struct Stored<'a> {
+    pub(crate) once: &'a Once,
+    pub(crate) key: &'a [u8; 32],
+    pub(crate) name: &'a str,
+    pub(crate) fingerprint: &'a [u8; 32],
+    pub(crate) request: &'a http::request::Parts,
+}
+
+fn unreadable<B>(config: &Config, reason: String) -> (Response<ResponseBody<B>>, Event) {
+    tracing::error!(%reason, "stored idempotency record is unreadable; not running the handler again");
+    (
+        problem(config, &Rejection::RecordUnreadable { reason }),
+        Event::StoreError,
+    )
+}
+
+/// The answer to a request whose key has a completed record.
+pub(crate) async fn replay<B>(
+    config: &Arc<Config>,
+    stored: Stored<'_>,
+    record: distlock::once::Record,
 ) -> (Response<ResponseBody<B>>, Event) {
-    let record = match Record::open(sealer, stored) {
-        Ok(record) => record,
-        Err(reason) => {
-            tracing::error!(%reason, "stored idempotency record is unreadable; not running the handler again");
-            return (
-                problem(config, &Rejection::RecordUnreadable { reason }),
-                Event::StoreError,
+    let sealer = Sealer::new(stored.key, stored.name);
+    let parts = record.parts();
+    let head = match sealer.open_part(0, 0, record.first()) {
+        Ok(Part::Whole(whole)) if parts == 1 => return replay_whole(config, &stored, whole),
+        Ok(Part::Head(head)) if parts > 1 => head,
+        Ok(_) => {
+            return unreadable(
+                config,
+                format!("a record of {parts} parts starts with the wrong part"),
             );
         }
+        Err(reason) => return unreadable(config, reason),
     };
-    if &record.fingerprint != fingerprint {
-        return (problem(config, &Rejection::KeyReused), Event::Mismatch);
+    if let Err(refused) = check(config, &head, &stored) {
+        return refused;
+    }
+    // The end says whether the body was kept, and how the execution ended.
+    let end = parts - 1;
+    let last = match stored.once.parts(end, 1).await {
+        Ok(read) => read.into_parts().into_iter().next(),
+        Err(error) => {
+            tracing::warn!(%error, "idempotency: could not read a stored record");
+            let rejection = Rejection::StoreUnavailable {
+                retry_after: config.retry_after,
+            };
+            return (problem(config, &rejection), Event::StoreError);
+        }
+    };
+    let Some(last) = last else {
+        return unreadable(config, "the end of a streamed record is missing".into());
+    };
+    match sealer.open_part(end, head.fence, &last) {
+        Ok(Part::End { kept: true, .. }) => {}
+        Ok(Part::End { kept: false, .. }) => {
+            return (not_kept(config, head), Event::Replayed);
+        }
+        Ok(Part::Unknown) => {
+            let rejection = Rejection::OutcomeUnknown { fence: head.fence };
+            return (replayed(problem(config, &rejection)), Event::Replayed);
+        }
+        Ok(_) => return unreadable(config, "a streamed record ends with the wrong part".into()),
+        Err(reason) => return unreadable(config, reason),
+    }
+    let source = Source::Stored {
+        once: stored.once.clone(),
+        parts,
+    };
+    let response = streamed(config, head, source, stored.key, stored.name);
+    (response, Event::Replayed)
+}
+
+/// The answer to a request that joins a record still being written (its head is stored): the
+/// head at once, the stored chunks, then the live ones until the end.
+pub(crate) async fn join<B>(
+    config: &Arc<Config>,
+    stored: Stored<'_>,
+    writer: u64,
+) -> (Response<ResponseBody<B>>, Event) {
+    let sealer = Sealer::new(stored.key, stored.name);
+    let mut follower = stored.once.follow(0).expect_writer(writer);
+    let until =
+        tokio::time::Instant::now().into_std() + config.store.client().config().op_timeout();
+    let first = match follower.next(1, until).await {
+        Ok(read) => read.into_parts().into_iter().next(),
+        Err(error) => {
+            tracing::warn!(%error, "idempotency: could not follow a response being stored");
+            let rejection = Rejection::StoreUnavailable {
+                retry_after: config.retry_after,
+            };
+            return (problem(config, &rejection), Event::StoreError);
+        }
+    };
+    let Some(first) = first else {
+        // The writer stopped before or while we looked: nothing to join; the retry decides.
+        let rejection = Rejection::Conflict {
+            retry_after: config.conflict_retry_after(None),
+        };
+        return (problem(config, &rejection), Event::Conflict);
+    };
+    let head = match sealer.open_part(0, 0, &first) {
+        Ok(Part::Head(head)) if head.fence == writer => head,
+        Ok(_) => {
+            return unreadable(
+                config,
+                "a streamed record starts with the wrong part".into(),
+            );
+        }
+        Err(reason) => return unreadable(config, reason),
+    };
+    if let Err(refused) = check(config, &head, &stored) {
+        return refused;
+    }
+    let response = streamed(
+        config,
+        head,
+        Source::Live(Box::new(follower)),
+        stored.key,
+        stored.name,
+    );
+    (response, Event::Replayed)
+}
+
+/// The fingerprint and `Vary` checks of a stored head against this request.
+#[allow(clippy::result_large_err)]
+fn check<B>(
+    config: &Config,
+    head: &Head,
+    stored: &Stored<'_>,
+) -> Result<(), (Response<ResponseBody<B>>, Event)> {
+    if &head.fingerprint != stored.fingerprint {
+        return Err((problem(config, &Rejection::KeyReused), Event::Mismatch));
     }
     // A response negotiated for other request headers (a gzip body for a client that accepts
     // only identity) is not this request's to replay.
-    for (name, value) in &record.vary {
-        let theirs = joined(&request.headers, name);
-        let same = match theirs {
+    for (name, value) in &head.vary {
+        let same = match joined(&stored.request.headers, name) {
             Some(theirs) => theirs == value,
             None => value.is_empty(),
         };
@@ -53,64 +179,244 @@ pub(crate) fn replay<B>(
             let rejection = Rejection::NotAcceptable {
                 header: name.as_str().to_owned(),
             };
-            return (problem(config, &rejection), Event::Rejected);
+            return Err((problem(config, &rejection), Event::Rejected));
         }
     }
-    // The header policy in force now applies to what was stored under an earlier one.
-    let mut headers = record.headers;
-    if headers
-        .keys()
-        .any(|name| !config.replay_headers.keeps(name))
-    {
-        let mut kept = http::HeaderMap::with_capacity(headers.len());
-        let mut last = None;
-        for (name, value) in headers {
-            if let Some(name) = name {
-                last = Some(name);
-            }
-            if let Some(name) = &last
-                && config.replay_headers.keeps(name)
-            {
-                kept.append(name.clone(), value);
-            }
-        }
-        headers = kept;
+    Ok(())
+}
+
+fn replay_whole<B>(
+    config: &Config,
+    stored: &Stored<'_>,
+    record: Record,
+) -> (Response<ResponseBody<B>>, Event) {
+    if let Err(refused) = check(config, &record.head, stored) {
+        return refused;
     }
-    let mut response = match record.kind {
+    let response = match record.head.kind {
         Kind::Response => {
-            let mut response = Response::new(ResponseBody::full(
-                record.body,
-                (!record.trailers.is_empty()).then_some(record.trailers),
-            ));
-            *response.status_mut() = record.status;
-            *response.headers_mut() = headers;
-            response
+            let trailers = (!record.trailers.is_empty()).then_some(record.trailers);
+            let mut response = Response::new(ResponseBody::full(record.body, trailers));
+            *response.status_mut() = record.head.status;
+            *response.headers_mut() = kept_headers(config, record.head.headers);
+            replayed(response)
         }
-        Kind::BodyNotKept => {
-            let mut response = problem(
-                config,
-                &Rejection::ResponseNotStored {
-                    status: record.status,
-                    limit: config.record_limit,
-                },
-            );
-            // The stored headers (a `Location`, say) still tell the client where the result is.
-            for (name, value) in &headers {
-                if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
-                    response.headers_mut().append(name.clone(), value.clone());
-                }
-            }
-            response
-        }
-        Kind::Unknown => problem(
+        Kind::BodyNotKept => not_kept(config, record.head),
+        Kind::Unknown => replayed(problem(
             config,
             &Rejection::OutcomeUnknown {
-                fence: record.fence,
+                fence: record.head.fence,
             },
-        ),
+        )),
     };
+    (response, Event::Replayed)
+}
+
+/// The header policy in force now applies to what was stored under an earlier one.
+fn kept_headers(config: &Config, headers: HeaderMap) -> HeaderMap {
+    if headers.keys().all(|name| config.replay_headers.keeps(name)) {
+        return headers;
+    }
+    let mut kept = HeaderMap::with_capacity(headers.len());
+    let mut last = None;
+    for (name, value) in headers {
+        if let Some(name) = name {
+            last = Some(name);
+        }
+        if let Some(name) = &last
+            && config.replay_headers.keeps(name)
+        {
+            kept.append(name.clone(), value);
+        }
+    }
+    kept
+}
+
+fn replayed<B>(mut response: Response<ResponseBody<B>>) -> Response<ResponseBody<B>> {
     response
         .headers_mut()
         .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    (response, Event::Replayed)
+    response
+}
+
+/// The answer for an outcome stored without its body: never a 2xx with a body the handler did
+/// not produce; the stored headers (a `Location`, say) still tell the client where the result is.
+fn not_kept<B>(config: &Config, head: Head) -> Response<ResponseBody<B>> {
+    let mut response = problem(
+        config,
+        &Rejection::ResponseNotStored {
+            status: head.status,
+            limit: config.record_limit,
+        },
+    );
+    for (name, value) in &kept_headers(config, head.headers) {
+        if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
+            response.headers_mut().append(name.clone(), value.clone());
+        }
+    }
+    replayed(response)
+}
+
+/// Where the parts of a streamed body come from.
+enum Source {
+    /// A completed record of `parts` parts.
+    Stored { once: Once, parts: u64 },
+    /// A record still being written, followed live.
+    Live(Box<Follower>),
+}
+
+/// A response whose body is read from the store part by part while the client reads it.
+fn streamed<B>(
+    config: &Config,
+    head: Head,
+    source: Source,
+    key: &[u8; 32],
+    name: &str,
+) -> Response<ResponseBody<B>> {
+    let (feed, mut body) = Feed::channel();
+    let reading = read(source, feed, *key, name.to_owned(), head.fence);
+    // The body drives the reading while the client reads; dropping it stops the reading.
+    let _ = body.drive(Box::pin(reading));
+    let mut response = Response::new(body);
+    *response.status_mut() = head.status;
+    *response.headers_mut() = kept_headers(config, head.headers);
+    replayed(response)
+}
+
+/// Reads a streamed record's chunks (from part 1) into the client's body, until its end part;
+/// anything else breaks the body off with an error.
+async fn read(mut source: Source, mut feed: Feed, key: [u8; 32], name: String, writer: u64) {
+    let sealer = Sealer::new(&key, &name);
+    let mut next = 1u64;
+    let mut len = 0u64;
+    let outcome: Result<(), BoxError> = loop {
+        let (from, parts, state) = match &mut source {
+            Source::Stored { once, parts } => {
+                if next >= *parts {
+                    break Err("the stored record has no end".into());
+                }
+                match once.parts(next, BATCH).await {
+                    Ok(read) => (read.from(), read.into_parts(), None),
+                    Err(error) => {
+                        break Err(format!("the stored record could not be read: {error}").into());
+                    }
+                }
+            }
+            Source::Live(follower) => {
+                let until = tokio::time::Instant::now().into_std() + Duration::from_secs(1);
+                match follower.next(BATCH, until).await {
+                    Ok(read) => {
+                        let state = read.state();
+                        (read.from(), read.into_parts(), Some(state))
+                    }
+                    Err(error) => {
+                        break Err(format!(
+                            "the response being stored could not be followed: {error}"
+                        )
+                        .into());
+                    }
+                }
+            }
+        };
+        if from != next {
+            break Err(format!("expected part {next}, the store gave part {from}").into());
+        }
+        let mut ended = None;
+        for (i, sealed) in parts.iter().enumerate() {
+            let index = from + i as u64;
+            match sealer.open_part(index, writer, sealed) {
+                Ok(Part::Chunk(data)) => {
+                    len += data.len() as u64;
+                    feed.send(Message::Frame(Frame::data(data))).await;
+                }
+                Ok(Part::End {
+                    kept: true,
+                    len: stored,
+                    trailers,
+                }) => {
+                    ended = Some(if stored == len {
+                        Ok(trailers)
+                    } else {
+                        Err(format!("the record says {stored} bytes, its chunks hold {len}").into())
+                    });
+                    break;
+                }
+                Ok(Part::End { kept: false, .. }) => {
+                    ended = Some(Err(
+                        "the response was over the storage limit: its body was not kept".into(),
+                    ));
+                    break;
+                }
+                Ok(Part::Unknown) => {
+                    ended = Some(Err("the response broke off: its outcome is unknown".into()));
+                    break;
+                }
+                Ok(_) => {
+                    ended = Some(Err(format!("part {index} is not a chunk").into()));
+                    break;
+                }
+                Err(reason) => {
+                    ended = Some(Err(format!("part {index}: {reason}").into()));
+                    break;
+                }
+            }
+        }
+        next = from + parts.len() as u64;
+        match ended {
+            Some(Ok(trailers)) => {
+                if !trailers.is_empty() {
+                    feed.send(Message::Frame(Frame::trailers(trailers))).await;
+                }
+                break Ok(());
+            }
+            Some(Err(error)) => break Err(error),
+            None => {}
+        }
+        match state {
+            Some(RecordState::Abandoned) => {
+                break Err("the execution stopped before its response ended".into());
+            }
+            Some(RecordState::Done { parts: done }) if next >= done => {
+                break Err("the record ended without its end part".into());
+            }
+            _ => {}
+        }
+        if parts.is_empty() && matches!(source, Source::Stored { .. }) {
+            break Err("the stored record is missing parts".into());
+        }
+    };
+    match outcome {
+        Ok(()) => {
+            feed.send(Message::End).await;
+        }
+        Err(error) => {
+            tracing::warn!(%error, "idempotency: a stored response body broke off");
+            feed.send(Message::Error(error)).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_current_header_policy_filters_stored_headers() {
+        let layer = crate::IdempotencyLayer::builder(crate::Store::memory())
+            .global_keys()
+            .replay_headers(
+                crate::ReplayHeaders::default_deny()
+                    .and_deny(["x-secret"])
+                    .unwrap(),
+            )
+            .build()
+            .unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert("x-secret", HeaderValue::from_static("1"));
+        headers.append("x-multi", HeaderValue::from_static("a"));
+        headers.append("x-multi", HeaderValue::from_static("b"));
+        let kept = kept_headers(layer.config(), headers);
+        assert!(!kept.contains_key("x-secret"));
+        assert_eq!(kept.get_all("x-multi").iter().count(), 2);
+    }
 }

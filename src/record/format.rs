@@ -1,17 +1,20 @@
-//! The plaintext inside a sealed record (see [the module docs](super)).
+//! The plaintext inside a sealed record part (see [the module docs](super)).
+//!
+//! Every part starts with its type:
 //!
 //! ```text
-//! part                       1 byte: 'W' (a whole record in one part)
-//! kind                       1 byte: 0 response, 1 response whose body was not kept,
-//!                            2 outcome unknown
-//! fingerprint                32 bytes
-//! status                     u16
-//! fence                      u64 (the execution's fencing token)
-//! header count               u16, then per header: name length u16, name, value length u32, value
-//! body length                u32, then the body
-//! trailer count              u16, then the trailers as the headers
-//! vary count                 u16, then as the headers: for each request header the response
-//!                            varies on, the request's value (empty when it had none)
+//! 'W' whole record, in one part:   head, body length u32 + body, trailers
+//! 'H' head of a streamed record:   head
+//! 'C' chunk of a streamed body:    the bytes
+//! 'E' end of a streamed record:    kept u8 (0: the body was not kept), body length u64, trailers
+//! 'U' end of a streamed record whose outcome is unknown (the body broke off)
+//!
+//! head:      kind u8 (0 response, 1 body not kept, 2 outcome unknown), fingerprint 32 bytes,
+//!            status u16, fence u64, headers, vary
+//! headers:   count u16, then per header: name length u16, name, value length u32, value
+//! vary:      as headers: for each request header the response varies on, the request's value
+//!            (empty when it had none)
+//! trailers:  as headers
 //! ```
 //!
 //! Decoding checks every length and value and never panics.
@@ -19,8 +22,11 @@
 use bytes::{BufMut, Bytes};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 
-/// A whole record in one part.
 const WHOLE: u8 = b'W';
+const HEAD: u8 = b'H';
+const CHUNK: u8 = b'C';
+const END: u8 = b'E';
+const UNKNOWN: u8 = b'U';
 
 /// What a record says happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,31 +58,50 @@ impl Kind {
     }
 }
 
-/// A stored outcome.
+/// What a record says before its body: the outcome, the request it answers, status, headers.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Record {
-    pub(crate) fingerprint: [u8; 32],
+pub(crate) struct Head {
     pub(crate) kind: Kind,
+    pub(crate) fingerprint: [u8; 32],
     pub(crate) status: StatusCode,
+    /// The fencing token of the execution that stored it.
     pub(crate) fence: u64,
     pub(crate) headers: HeaderMap,
-    pub(crate) body: Bytes,
-    pub(crate) trailers: HeaderMap,
     /// The request headers the response varies on, with the values they had.
     pub(crate) vary: HeaderMap,
 }
 
-/// The parts of a record to encode, borrowed from the response being stored.
-pub(crate) struct Encode<'a, K: Fn(&HeaderName) -> bool> {
-    pub(crate) fingerprint: &'a [u8; 32],
+/// A stored outcome in one part.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Record {
+    pub(crate) head: Head,
+    pub(crate) body: Bytes,
+    pub(crate) trailers: HeaderMap,
+}
+
+/// One decoded part of a record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Part {
+    Whole(Record),
+    Head(Head),
+    Chunk(Bytes),
+    End {
+        kept: bool,
+        len: u64,
+        trailers: HeaderMap,
+    },
+    Unknown,
+}
+
+/// The head of a response to encode, borrowed from the response being stored.
+pub(crate) struct EncodeHead<'a, K: Fn(&HeaderName) -> bool> {
     pub(crate) kind: Kind,
+    pub(crate) fingerprint: &'a [u8; 32],
     pub(crate) status: StatusCode,
     pub(crate) fence: u64,
     pub(crate) headers: &'a HeaderMap,
     /// Which headers are kept.
     pub(crate) keep: K,
-    pub(crate) body: &'a [u8],
-    pub(crate) trailers: Option<&'a HeaderMap>,
     pub(crate) vary: &'a HeaderMap,
 }
 
@@ -88,6 +113,10 @@ fn kept<'a>(
         .iter()
         .filter(move |(name, _)| keep(name))
         .take(u16::MAX as usize)
+}
+
+fn all(_: &HeaderName) -> bool {
+    true
 }
 
 fn headers_len<'a>(
@@ -112,27 +141,124 @@ fn put_headers<'a>(
     }
 }
 
-impl<K: Fn(&HeaderName) -> bool> Encode<'_, K> {
-    /// Appends the plaintext to `out`, reserving `extra` more bytes (for the seal's tag) so
-    /// that the record is built in one allocation.
-    pub(crate) fn write(&self, out: &mut Vec<u8>, extra: usize) {
+impl<K: Fn(&HeaderName) -> bool> EncodeHead<'_, K> {
+    fn len(&self) -> (usize, usize, usize, usize) {
         let (count, len) = headers_len(kept(self.headers, &self.keep));
-        let all = |_: &HeaderName| true;
-        let empty = HeaderMap::new();
-        let trailers = self.trailers.unwrap_or(&empty);
-        let (t_count, t_len) = headers_len(kept(trailers, &all));
         let (v_count, v_len) = headers_len(kept(self.vary, &all));
-        out.reserve(2 + 32 + 2 + 8 + 2 + len + 4 + self.body.len() + 2 + t_len + 2 + v_len + extra);
-        out.put_u8(WHOLE);
+        (count, len, v_count, 1 + 32 + 2 + 8 + 2 + len + 2 + v_len)
+    }
+
+    fn put(&self, out: &mut Vec<u8>, count: usize, v_count: usize) {
         out.put_u8(self.kind.code());
         out.put_slice(self.fingerprint);
         out.put_u16(self.status.as_u16());
         out.put_u64(self.fence);
         put_headers(out, count, kept(self.headers, &self.keep));
-        out.put_u32(self.body.len() as u32);
-        out.put_slice(self.body);
-        put_headers(out, t_count, kept(trailers, &all));
         put_headers(out, v_count, kept(self.vary, &all));
+    }
+
+    /// Appends a whole record (this head, `body`, `trailers`) to `out`, reserving `extra` more
+    /// bytes (for the seal's tag) so that the record is built in one allocation.
+    pub(crate) fn write_whole(
+        &self,
+        body: &[u8],
+        trailers: Option<&HeaderMap>,
+        out: &mut Vec<u8>,
+        extra: usize,
+    ) {
+        let (count, _, v_count, head_len) = self.len();
+        let empty = HeaderMap::new();
+        let trailers = trailers.unwrap_or(&empty);
+        let (t_count, t_len) = headers_len(kept(trailers, &all));
+        out.reserve(1 + head_len + 4 + body.len() + 2 + t_len + extra);
+        out.put_u8(WHOLE);
+        self.put(out, count, v_count);
+        out.put_u32(body.len() as u32);
+        out.put_slice(body);
+        put_headers(out, t_count, kept(trailers, &all));
+    }
+
+    /// Appends the head part of a streamed record to `out`.
+    pub(crate) fn write_head(&self, out: &mut Vec<u8>, extra: usize) {
+        let (count, _, v_count, head_len) = self.len();
+        out.reserve(1 + head_len + extra);
+        out.put_u8(HEAD);
+        self.put(out, count, v_count);
+    }
+}
+
+/// The first byte of a chunk part (its data follows, to the end of the part).
+pub(crate) const CHUNK_TAG: u8 = CHUNK;
+
+/// Appends the end part of a streamed record to `out`.
+pub(crate) fn write_end(
+    kept_body: bool,
+    len: u64,
+    trailers: Option<&HeaderMap>,
+    out: &mut Vec<u8>,
+    extra: usize,
+) {
+    let empty = HeaderMap::new();
+    let trailers = trailers.unwrap_or(&empty);
+    let (t_count, t_len) = headers_len(kept(trailers, &all));
+    out.reserve(1 + 1 + 8 + 2 + t_len + extra);
+    out.put_u8(END);
+    out.put_u8(u8::from(kept_body));
+    out.put_u64(len);
+    put_headers(out, t_count, kept(trailers, &all));
+}
+
+/// Appends the end part of a streamed record whose outcome is unknown.
+pub(crate) fn write_unknown(out: &mut Vec<u8>, extra: usize) {
+    out.reserve(1 + extra);
+    out.put_u8(UNKNOWN);
+}
+
+impl Part {
+    /// Decodes a part's plaintext; chunk data and a whole record's body share `bytes`' buffer.
+    pub(crate) fn decode(bytes: &Bytes) -> Result<Part, String> {
+        let mut r = Reader { bytes, at: 0 };
+        let part = match r.u8()? {
+            WHOLE => {
+                let head = r.head()?;
+                let body_len = r.u32()? as usize;
+                let start = r.at;
+                r.take(body_len)?;
+                let body = bytes.slice(start..start + body_len);
+                let trailers = r.headers()?;
+                Part::Whole(Record {
+                    head,
+                    body,
+                    trailers,
+                })
+            }
+            HEAD => Part::Head(r.head()?),
+            CHUNK => {
+                let data = bytes.slice(r.at..);
+                r.at = bytes.len();
+                Part::Chunk(data)
+            }
+            END => {
+                let kept = match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    other => return Err(format!("unknown end flag {other}")),
+                };
+                let len = r.u64()?;
+                let trailers = r.headers()?;
+                Part::End {
+                    kept,
+                    len,
+                    trailers,
+                }
+            }
+            UNKNOWN => Part::Unknown,
+            other => return Err(format!("unknown record part {other:#x}")),
+        };
+        if r.at != bytes.len() {
+            return Err(format!("{} trailing bytes", bytes.len() - r.at));
+        }
+        Ok(part)
     }
 }
 
@@ -140,53 +266,17 @@ impl Record {
     #[cfg(test)]
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut out = Vec::new();
-        Encode {
-            fingerprint: &self.fingerprint,
-            kind: self.kind,
-            status: self.status,
-            fence: self.fence,
-            headers: &self.headers,
-            keep: |_: &HeaderName| true,
-            body: &self.body,
-            trailers: Some(&self.trailers),
-            vary: &self.vary,
+        EncodeHead {
+            kind: self.head.kind,
+            fingerprint: &self.head.fingerprint,
+            status: self.head.status,
+            fence: self.head.fence,
+            headers: &self.head.headers,
+            keep: all,
+            vary: &self.head.vary,
         }
-        .write(&mut out, 0);
+        .write_whole(&self.body, Some(&self.trailers), &mut out, 0);
         out
-    }
-
-    /// Decodes a record's plaintext; the body shares `bytes`' buffer.
-    pub(crate) fn decode(bytes: &Bytes) -> Result<Record, String> {
-        let mut r = Reader { bytes, at: 0 };
-        let part = r.u8()?;
-        if part != WHOLE {
-            return Err(format!("unknown record part {part:#x}"));
-        }
-        let code = r.u8()?;
-        let kind = Kind::from_code(code).ok_or_else(|| format!("unknown record kind {code}"))?;
-        let fingerprint: [u8; 32] = r.array()?;
-        let status = StatusCode::from_u16(r.u16()?).map_err(|e| format!("status: {e}"))?;
-        let fence = r.u64()?;
-        let headers = r.headers()?;
-        let body_len = r.u32()? as usize;
-        let start = r.at;
-        r.take(body_len)?;
-        let body = bytes.slice(start..start + body_len);
-        let trailers = r.headers()?;
-        let vary = r.headers()?;
-        if r.at != bytes.len() {
-            return Err(format!("{} trailing bytes", bytes.len() - r.at));
-        }
-        Ok(Record {
-            fingerprint,
-            kind,
-            status,
-            fence,
-            headers,
-            body,
-            trailers,
-            vary,
-        })
     }
 }
 
@@ -233,6 +323,24 @@ impl<'a> Reader<'a> {
         Ok(u64::from_be_bytes(self.array()?))
     }
 
+    fn head(&mut self) -> Result<Head, String> {
+        let code = self.u8()?;
+        let kind = Kind::from_code(code).ok_or_else(|| format!("unknown record kind {code}"))?;
+        let fingerprint: [u8; 32] = self.array()?;
+        let status = StatusCode::from_u16(self.u16()?).map_err(|e| format!("status: {e}"))?;
+        let fence = self.u64()?;
+        let headers = self.headers()?;
+        let vary = self.headers()?;
+        Ok(Head {
+            kind,
+            fingerprint,
+            status,
+            fence,
+            headers,
+            vary,
+        })
+    }
+
     fn headers(&mut self) -> Result<HeaderMap, String> {
         let count = self.u16()?;
         // No capacity from the untrusted count: HeaderMap panics on absurd capacities.
@@ -254,29 +362,48 @@ impl<'a> Reader<'a> {
 mod tests {
     use super::*;
 
-    fn sample(kind: Kind, body: &'static [u8]) -> Record {
+    fn head(kind: Kind) -> Head {
         let mut headers = HeaderMap::new();
         headers.insert("content-type", HeaderValue::from_static("application/json"));
         headers.append("x-multi", HeaderValue::from_static("1"));
         headers.append("x-multi", HeaderValue::from_static("2"));
-        let mut trailers = HeaderMap::new();
-        trailers.insert("grpc-status", HeaderValue::from_static("0"));
         let mut vary = HeaderMap::new();
         vary.insert("accept-encoding", HeaderValue::from_static("gzip"));
-        Record {
-            fingerprint: [7; 32],
+        Head {
             kind,
+            fingerprint: [7; 32],
             status: StatusCode::CREATED,
             fence: 42,
             headers,
-            body: Bytes::from_static(body),
-            trailers,
             vary,
         }
     }
 
+    fn sample(kind: Kind, body: &'static [u8]) -> Record {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        Record {
+            head: head(kind),
+            body: Bytes::from_static(body),
+            trailers,
+        }
+    }
+
+    fn encode_head(h: &Head, out: &mut Vec<u8>) {
+        EncodeHead {
+            kind: h.kind,
+            fingerprint: &h.fingerprint,
+            status: h.status,
+            fence: h.fence,
+            headers: &h.headers,
+            keep: all,
+            vary: &h.vary,
+        }
+        .write_head(out, 0);
+    }
+
     #[test]
-    fn round_trips() {
+    fn every_part_round_trips() {
         for (kind, body) in [
             (Kind::Response, &b"{\"id\":1}"[..]),
             (Kind::Response, b""),
@@ -285,8 +412,32 @@ mod tests {
         ] {
             let r = sample(kind, body);
             let encoded = Bytes::from(r.encode());
-            assert_eq!(Record::decode(&encoded).unwrap(), r);
+            assert_eq!(Part::decode(&encoded).unwrap(), Part::Whole(r));
         }
+        let h = head(Kind::Response);
+        let mut out = Vec::new();
+        encode_head(&h, &mut out);
+        assert_eq!(Part::decode(&Bytes::from(out)).unwrap(), Part::Head(h));
+        let chunk = Bytes::from_static(b"C some bytes");
+        assert_eq!(
+            Part::decode(&chunk).unwrap(),
+            Part::Chunk(Bytes::from_static(b" some bytes"))
+        );
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        let mut out = Vec::new();
+        write_end(true, 123, Some(&trailers), &mut out, 0);
+        assert_eq!(
+            Part::decode(&Bytes::from(out)).unwrap(),
+            Part::End {
+                kept: true,
+                len: 123,
+                trailers
+            }
+        );
+        let mut out = Vec::new();
+        write_unknown(&mut out, 0);
+        assert_eq!(Part::decode(&Bytes::from(out)).unwrap(), Part::Unknown);
     }
 
     #[test]
@@ -294,19 +445,19 @@ mod tests {
         let encoded = sample(Kind::Response, b"hello").encode();
         for len in 0..encoded.len() {
             assert!(
-                Record::decode(&Bytes::copy_from_slice(&encoded[..len])).is_err(),
+                Part::decode(&Bytes::copy_from_slice(&encoded[..len])).is_err(),
                 "{len}"
             );
         }
         let mut extra = encoded.clone();
         extra.push(0);
-        assert!(Record::decode(&Bytes::from(extra)).is_err());
+        assert!(Part::decode(&Bytes::from(extra)).is_err());
         // Flip every byte in turn: decoding may succeed or fail, but never panics.
         for i in 0..encoded.len() {
             let mut flipped = encoded.clone();
             flipped[i] ^= 0xff;
-            let _ = Record::decode(&Bytes::from(flipped));
+            let _ = Part::decode(&Bytes::from(flipped));
         }
-        assert!(Record::decode(&Bytes::from_static(b"{\"legacy\":\"json\"}")).is_err());
+        assert!(Part::decode(&Bytes::from_static(b"{\"legacy\":\"json\"}")).is_err());
     }
 }

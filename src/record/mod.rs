@@ -1,28 +1,86 @@
-//! The stored outcome of a request: a versioned binary record, sealed with AES-256-GCM.
+//! The stored outcome of a request: versioned binary parts, each sealed with AES-256-GCM.
 //!
 //! Nothing of a response reaches the store in clear: the record (status, kept headers, body,
 //! trailers, the request fingerprint) is encrypted under a key derived from the raw
 //! idempotency key, its scope and the server secret ([`crate::secret`]), and bound to the
-//! store name it lives under ([`seal`]). A record that does not open (corrupt, forged, copied
-//! under another key, or of an older format version) is reported: the layer answers 500
-//! `record-unreadable`, never replays it, and never runs the handler again for it.
+//! store name it lives under, its part index and its writer ([`seal`]). A small response is one
+//! part; a streamed one is a head, chunks and an end, appended as the body passes
+//! ([`format`]). A part that does not open (corrupt, forged, copied under another key, of
+//! another execution, or of an older format version) is reported: the layer answers 500
+//! `record-unreadable` (or breaks off a body it was replaying), never replays it, and never
+//! runs the handler again for it.
 
 mod format;
 mod seal;
 
-pub(crate) use format::{Encode, Kind, Record};
+pub(crate) use format::{EncodeHead, Head, Kind, Part, Record, write_end, write_unknown};
 pub(crate) use seal::Sealer;
 
-impl Record {
-    /// Opens and decodes a stored record.
-    pub(crate) fn open(sealer: &Sealer<'_>, stored: &[u8]) -> Result<Record, String> {
-        Record::decode(&sealer.open(0, stored)?)
-    }
-}
+use http::{HeaderMap, HeaderName};
 
-impl<K: Fn(&http::HeaderName) -> bool> Encode<'_, K> {
-    /// The sealed record.
-    pub(crate) fn seal(&self, sealer: &Sealer<'_>) -> Vec<u8> {
-        sealer.seal(0, |out, extra| self.write(out, extra))
+/// Where the data starts in a chunk buffer (after the envelope's header and the part's type).
+pub(crate) const CHUNK_START: usize = seal::HEADER + 1;
+
+impl Sealer<'_> {
+    /// Opens and decodes part `index` of a record; parts after the first belong to `writer`.
+    pub(crate) fn open_part(&self, index: u64, writer: u64, sealed: &[u8]) -> Result<Part, String> {
+        let writer = if index == 0 { 0 } else { writer };
+        Part::decode(&self.open(index, writer, sealed)?)
+    }
+
+    /// A record in one part.
+    pub(crate) fn seal_whole<K: Fn(&HeaderName) -> bool>(
+        &self,
+        head: &EncodeHead<'_, K>,
+        body: &[u8],
+        trailers: Option<&HeaderMap>,
+    ) -> Vec<u8> {
+        self.seal(0, 0, |out, extra| {
+            head.write_whole(body, trailers, out, extra)
+        })
+    }
+
+    /// The head of a streamed record (its first part).
+    pub(crate) fn seal_head<K: Fn(&HeaderName) -> bool>(
+        &self,
+        head: &EncodeHead<'_, K>,
+    ) -> Vec<u8> {
+        self.seal(0, 0, |out, extra| head.write_head(out, extra))
+    }
+
+    /// A buffer for the data of a chunk part, sealed by [`seal_chunk`](Self::seal_chunk).
+    pub(crate) fn chunk_buffer(capacity: usize) -> Vec<u8> {
+        let mut out = Sealer::buffer(capacity + 1);
+        out.push(format::CHUNK_TAG);
+        out
+    }
+
+    /// Whether a chunk buffer holds no data yet.
+    pub(crate) fn chunk_is_empty(buffer: &[u8]) -> bool {
+        buffer.len() <= CHUNK_START
+    }
+
+    /// Seals a chunk buffer as part `index` of writer `writer`.
+    pub(crate) fn seal_chunk(&self, index: u64, writer: u64, buffer: Vec<u8>) -> Vec<u8> {
+        self.seal_buffer(index, writer, buffer)
+    }
+
+    /// The end of a streamed record: whether its body was kept, its length, its trailers.
+    pub(crate) fn seal_end(
+        &self,
+        index: u64,
+        writer: u64,
+        kept: bool,
+        len: u64,
+        trailers: Option<&HeaderMap>,
+    ) -> Vec<u8> {
+        self.seal(index, writer, |out, extra| {
+            write_end(kept, len, trailers, out, extra)
+        })
+    }
+
+    /// The end of a streamed record whose outcome is unknown.
+    pub(crate) fn seal_unknown(&self, index: u64, writer: u64) -> Vec<u8> {
+        self.seal(index, writer, write_unknown)
     }
 }

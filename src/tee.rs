@@ -1,0 +1,330 @@
+//! A final response on its way out: to the client as it comes, into the store as it passes.
+//!
+//! * A body complete at once (the common case: JSON built in memory, up to 64 KiB) is stored
+//!   whole, in one round trip, and sent whole.
+//! * Any other body: the head goes to the client as soon as the handler returns it, and every
+//!   frame as it arrives (time to first byte is the handler's). On a store that streams
+//!   ([`distlock::LockClient::supports_streaming`]) the record is appended as the body passes:
+//!   the head first, then the data in chunks of `chunk_size` (sooner when the body pauses, so a
+//!   duplicate following the stream sees server-sent events as they happen), then the end with
+//!   the trailers. The layer holds at most one chunk of it. On a store that does not stream
+//!   (Redlock), the body is kept in memory up to the record limit and stored whole at the end.
+//! * Over the record limit, or when the handler said [`KeepBody::No`](crate::KeepBody), the
+//!   body is still sent in full, and its outcome (status, headers) stored without it.
+//! * A body that fails half-way: the client sees an aborted body; the outcome is unknown.
+
+use std::future::poll_fn;
+use std::pin::{Pin, pin};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::{HeaderMap, Response, StatusCode};
+use http_body::{Body, Frame};
+use tokio::sync::oneshot;
+
+use crate::begin::Run;
+use crate::body::{BoxError, Feed, Message, ResponseBody};
+use crate::complete;
+use crate::execution::Finished;
+use crate::record::{Kind, Sealer};
+
+/// The most read from a body before its head goes out: a body complete within it is stored and
+/// sent whole; a longer one is streamed.
+const WHOLE_LIMIT: usize = 64 * 1024;
+
+/// How long a paused body may keep data back from the store before it is appended.
+const IDLE_FLUSH: Duration = Duration::from_millis(10);
+
+/// Sends the response to the client and stores its outcome; `keep`: whether its body is kept.
+pub(crate) async fn tee<B, E>(
+    run: Run,
+    parts: http::response::Parts,
+    body: B,
+    keep: bool,
+    reply: oneshot::Sender<Finished<B, E>>,
+) where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let mut body = pin!(body);
+    let mut early: Vec<Frame<Bytes>> = Vec::new();
+    let mut early_len = 0;
+    let failed = loop {
+        match poll_now(body.as_mut()).await {
+            None => break None,
+            Some(None) => {
+                let (data, trailers) = whole(early);
+                let kept = keep && data.len() <= run.config.record_limit;
+                complete::response(
+                    run,
+                    parts.status,
+                    &parts.headers,
+                    kept.then_some(&data[..]),
+                    trailers.as_ref(),
+                )
+                .await;
+                let _ = reply.send(Finished::Response(Response::from_parts(
+                    parts,
+                    ResponseBody::full(data, trailers),
+                )));
+                return;
+            }
+            Some(Some(Ok(frame))) => {
+                early_len += frame.data_ref().map_or(0, Bytes::len);
+                early.push(frame);
+                if early_len > WHOLE_LIMIT {
+                    break None;
+                }
+            }
+            Some(Some(Err(error))) => break Some(error),
+        }
+    };
+
+    // Streamed: the head goes out now, the frames as they come.
+    let status = parts.status;
+    let headers = parts.headers.clone();
+    let (mut feed, live) = Feed::channel();
+    let _ = reply.send(Finished::Response(Response::from_parts(parts, live)));
+    let mut sink = Sink::open(&run, status, &headers, keep).await;
+    let mut failed: Option<BoxError> = failed;
+    for frame in early {
+        forward(&mut feed, &frame).await;
+        sink.add(&run, frame).await;
+    }
+    while failed.is_none() {
+        let next = match poll_now(body.as_mut()).await {
+            Some(next) => next,
+            None if sink.holds_data() => {
+                // A steady stream is batched; a pause appends what came so far.
+                match tokio::time::timeout(IDLE_FLUSH, poll_fn(|cx| poll_frame(body.as_mut(), cx)))
+                    .await
+                {
+                    Ok(next) => next,
+                    Err(_) => {
+                        sink.flush(&run).await;
+                        poll_fn(|cx| poll_frame(body.as_mut(), cx)).await
+                    }
+                }
+            }
+            None => poll_fn(|cx| poll_frame(body.as_mut(), cx)).await,
+        };
+        match next {
+            None => break,
+            Some(Ok(frame)) => {
+                forward(&mut feed, &frame).await;
+                sink.add(&run, frame).await;
+            }
+            Some(Err(error)) => failed = Some(error),
+        }
+    }
+    match failed {
+        Some(error) => {
+            tracing::warn!(%error, "idempotency: the response body failed half-way");
+            complete::unknown(run, "the response body failed half-way").await;
+            feed.send(Message::Error(error)).await;
+        }
+        None => {
+            sink.finish(run, status, &headers).await;
+            feed.send(Message::End).await;
+        }
+    }
+}
+
+/// Sends a frame to the client (a copy of its handle: the data is shared).
+async fn forward(feed: &mut Feed, frame: &Frame<Bytes>) {
+    let copy = match (frame.data_ref(), frame.trailers_ref()) {
+        (Some(data), _) => Frame::data(data.clone()),
+        (None, Some(trailers)) => Frame::trailers(trailers.clone()),
+        (None, None) => return,
+    };
+    feed.send(Message::Frame(copy)).await;
+}
+
+/// Where the body goes for the record.
+struct Sink {
+    mode: Mode,
+    keep: bool,
+    limit: u64,
+    len: u64,
+    trailers: Option<HeaderMap>,
+}
+
+enum Mode {
+    /// Kept in memory up to the limit, stored whole at the end.
+    Whole(Vec<Bytes>),
+    /// Appended part by part: the chunk being filled (sealed in place when appended).
+    Parts { buffer: Vec<u8>, chunk: usize },
+    /// No longer kept: over the limit, or an append failed (the record would miss a part).
+    Dropped,
+}
+
+impl Sink {
+    /// Starts keeping the body of a streamed response; on a store that streams, appends its head.
+    async fn open(run: &Run, status: StatusCode, headers: &HeaderMap, keep: bool) -> Sink {
+        let config = &run.config;
+        let mut sink = Sink {
+            mode: Mode::Whole(Vec::new()),
+            keep,
+            limit: config.record_limit as u64,
+            len: 0,
+            trailers: None,
+        };
+        if keep && config.store.client().supports_streaming() {
+            let vary = complete::negotiated(headers, &run.negotiated);
+            let head = run
+                .sealer()
+                .seal_head(&run.head(Kind::Response, status, headers, &vary));
+            sink.mode = Mode::Parts {
+                buffer: Sealer::chunk_buffer(config.chunk_size),
+                chunk: config.chunk_size,
+            };
+            if let Err(error) = run.guard.append(&head).await {
+                tracing::warn!(%error, "idempotency: could not store the response head; its body is not kept");
+                sink.mode = Mode::Dropped;
+            }
+        }
+        sink
+    }
+
+    fn holds_data(&self) -> bool {
+        match &self.mode {
+            Mode::Parts { buffer, .. } => !Sealer::chunk_is_empty(buffer),
+            _ => false,
+        }
+    }
+
+    /// Keeps a frame (appending full chunks on the way).
+    async fn add(&mut self, run: &Run, frame: Frame<Bytes>) {
+        let mut data = match frame.into_data() {
+            Ok(data) => data,
+            Err(frame) => {
+                if let Ok(trailers) = frame.into_trailers() {
+                    self.trailers = Some(trailers);
+                }
+                return;
+            }
+        };
+        self.len += data.len() as u64;
+        if !self.keep || self.len > self.limit {
+            self.mode = Mode::Dropped;
+            return;
+        }
+        match &mut self.mode {
+            Mode::Whole(chunks) => chunks.push(data),
+            Mode::Parts { .. } => {
+                while !data.is_empty() {
+                    let Mode::Parts { buffer, chunk } = &mut self.mode else {
+                        return;
+                    };
+                    let room = (*chunk + crate::record::CHUNK_START).saturating_sub(buffer.len());
+                    let take = room.min(data.len());
+                    buffer.extend_from_slice(&data[..take]);
+                    data.advance(take);
+                    if take == room {
+                        self.flush(run).await;
+                    }
+                }
+            }
+            Mode::Dropped => {}
+        }
+    }
+
+    /// Appends the chunk being filled, if it holds data.
+    async fn flush(&mut self, run: &Run) {
+        let Mode::Parts { buffer, chunk } = &mut self.mode else {
+            return;
+        };
+        if Sealer::chunk_is_empty(buffer) {
+            return;
+        }
+        let full = std::mem::replace(buffer, Sealer::chunk_buffer(*chunk));
+        let index = run.guard.appended();
+        let sealed = run.sealer().seal_chunk(index, run.guard.fence(), full);
+        if let Err(error) = run.guard.append(&sealed).await {
+            tracing::warn!(%error, "idempotency: could not append a chunk of the response; its body is not kept");
+            self.mode = Mode::Dropped;
+        }
+    }
+
+    /// Stores the outcome: whole, or the end of what was appended.
+    async fn finish(mut self, run: Run, status: StatusCode, headers: &HeaderMap) {
+        self.flush(&run).await;
+        let trailers = self.trailers.take();
+        match self.mode {
+            Mode::Whole(chunks) => {
+                let body = concat(chunks);
+                complete::response(run, status, headers, Some(&body), trailers.as_ref()).await;
+            }
+            Mode::Parts { .. } => complete::end(run, true, self.len, trailers.as_ref()).await,
+            Mode::Dropped if run.guard.appended() > 0 => {
+                complete::end(run, false, self.len, None).await;
+            }
+            Mode::Dropped => complete::response(run, status, headers, None, None).await,
+        }
+    }
+}
+
+/// The next frame if the body has one ready now (`Some(None)`: the body ended); `None` when it
+/// has nothing ready.
+async fn poll_now<B>(mut body: Pin<&mut B>) -> Option<Option<Result<Frame<Bytes>, BoxError>>>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    poll_fn(|cx| match poll_frame(body.as_mut(), cx) {
+        Poll::Ready(frame) => Poll::Ready(Some(frame)),
+        Poll::Pending => Poll::Ready(None),
+    })
+    .await
+}
+
+/// The next frame of the handler's body with `Bytes` data (no copy when the data is `Bytes`),
+/// its error boxed. A body that panics is a body that broke off: the outcome is unknown.
+pub(crate) fn poll_frame<B>(
+    body: Pin<&mut B>,
+    cx: &mut Context<'_>,
+) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body.poll_frame(cx)));
+    let Ok(polled) = caught else {
+        return Poll::Ready(Some(Err("the response body panicked".into())));
+    };
+    polled.map(|frame| {
+        frame.map(|frame| {
+            frame
+                .map(|f| f.map_data(|mut d| d.copy_to_bytes(d.remaining())))
+                .map_err(Into::into)
+        })
+    })
+}
+
+/// Data and trailers of frames read whole.
+fn whole(frames: Vec<Frame<Bytes>>) -> (Bytes, Option<HeaderMap>) {
+    let mut data = Vec::with_capacity(frames.len());
+    let mut trailers = None;
+    for frame in frames {
+        match frame.into_data() {
+            Ok(d) => data.push(d),
+            Err(frame) => trailers = frame.into_trailers().ok(),
+        }
+    }
+    (concat(data), trailers)
+}
+
+fn concat(mut chunks: Vec<Bytes>) -> Bytes {
+    match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.pop().unwrap_or_default(),
+        _ => {
+            let mut out = BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
+            for c in chunks {
+                out.extend_from_slice(&c);
+            }
+            out.freeze()
+        }
+    }
+}
