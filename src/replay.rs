@@ -8,8 +8,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use distlock::Once;
 use distlock::once::{Follower, RecordState};
+use distlock::{LockError, Once};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, header};
 use http_body::Frame;
 
@@ -76,6 +76,7 @@ pub(crate) async fn replay<B>(
     let end = parts - 1;
     let last = match stored.once.parts(end, 1).await {
         Ok(read) => read.into_parts().into_iter().next(),
+        Err(LockError::BrokenRecord { detail, .. }) => return unreadable(config, detail),
         Err(error) => {
             tracing::warn!(%error, "idempotency: could not read a stored record");
             let rejection = Rejection::StoreUnavailable {

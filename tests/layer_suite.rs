@@ -544,7 +544,11 @@ async fn cancel_safe_handlers_can_opt_out(s: TestStore) {
         assert!(tokio::time::Instant::now() < deadline, "never released");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(probe.runs(), runs + 2, "cancelled: nothing was stored, it ran again");
+    assert_eq!(
+        probe.runs(),
+        runs + 2,
+        "cancelled: nothing was stored, it ran again"
+    );
 }
 
 async fn streamed_bodies_are_forwarded_and_stored(s: TestStore) {

@@ -1,0 +1,343 @@
+//! Streaming responses through the layer: the first event reaches the client before the
+//! handler finishes; the record is appended as the body passes; a duplicate joins the live
+//! stream and gets the same bytes; a client that leaves mid-stream gets the whole stream on
+//! retry; trailers round-trip; a record the layer cannot finish reading breaks the body off
+//! (never a complete short one); a 100 MiB response passes while the layer holds only a chunk.
+
+mod support;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::StatusCode;
+use http_body_util::BodyExt;
+use support::streaming::{Tokens, all_events, app, event, read_all, request};
+use support::{TestStore, wait_until, within};
+use tower::ServiceExt;
+
+fn app_with_limit(s: &TestStore, t: &Tokens, limit: usize) -> axum::Router {
+    app(s, t, |b| b.record_limit(limit))
+}
+
+async fn the_first_event_arrives_before_the_handler_finishes(s: TestStore) {
+    let t = Tokens::new(false);
+    let (addr, _server) = support::serve(app(&s, &t, |b| b)).await;
+    let client = support::client();
+    let mut req = request("/tokens", "ttfb");
+    *req.uri_mut() = format!("http://{addr}/tokens").parse().unwrap();
+    let response = within("the head", client.request(req)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let first = within("the first event", body.frame())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.into_data().unwrap(), event(1, 0));
+    assert_eq!(
+        t.finished.load(Ordering::SeqCst),
+        0,
+        "the handler is still streaming"
+    );
+    t.open();
+    let rest = within("the rest", body.collect()).await.unwrap().to_bytes();
+    assert_eq!(rest.len(), all_events(1, 10).len() - event(1, 0).len());
+}
+
+async fn a_joiner_gets_the_same_bytes_live_and_after_the_end(s: TestStore) {
+    let t = Tokens::new(false);
+    let app = app(&s, &t, |b| b);
+    let first = app
+        .clone()
+        .oneshot(request("/tokens", "join"))
+        .await
+        .unwrap();
+    let mut first_body = first.into_body();
+    let head = within("the first event", first_body.frame())
+        .await
+        .unwrap()
+        .unwrap();
+    // Let the layer append the head and the first event.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let joiner = within(
+        "the joiner's head",
+        app.clone().oneshot(request("/tokens", "join")),
+    )
+    .await
+    .unwrap();
+    assert_eq!(joiner.status(), StatusCode::OK);
+    assert_eq!(joiner.headers()["idempotent-replayed"], "true");
+    assert_eq!(joiner.headers()["content-type"], "text/event-stream");
+    let mut joiner_body = joiner.into_body();
+    let joined_first = within("the joiner's first event", joiner_body.frame())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(joined_first.into_data().unwrap(), event(1, 0));
+    assert_eq!(
+        t.finished.load(Ordering::SeqCst),
+        0,
+        "joined before the end"
+    );
+    t.open();
+    let (rest, _) = read_all(Body::new(first_body)).await.unwrap();
+    let (joined_rest, _) = read_all(Body::new(joiner_body)).await.unwrap();
+    let mut whole = head.into_data().unwrap().to_vec();
+    whole.extend_from_slice(&rest);
+    assert_eq!(whole, all_events(1, 10));
+    let mut joined = event(1, 0).to_vec();
+    joined.extend_from_slice(&joined_rest);
+    assert_eq!(joined, whole, "the joiner got the same bytes");
+    // After the end: the replay, part by part.
+    let after = app
+        .clone()
+        .oneshot(request("/tokens", "join"))
+        .await
+        .unwrap();
+    assert_eq!(after.headers()["idempotent-replayed"], "true");
+    let (replayed, _) = read_all(after.into_body()).await.unwrap();
+    assert_eq!(replayed, whole);
+    assert_eq!(t.runs(), 1);
+}
+
+async fn a_client_that_leaves_mid_stream_gets_the_whole_stream_on_retry(s: TestStore) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let t = Tokens::new(false);
+    let (addr, _server) = support::serve(app(&s, &t, |b| b)).await;
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    socket
+        .write_all(b"POST /tokens HTTP/1.1\r\nhost: x\r\nidempotency-key: leave\r\ncontent-length: 0\r\n\r\n")
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    while !String::from_utf8_lossy(&seen).contains("token 0") {
+        let mut buf = [0u8; 1024];
+        let n = within("the first event on the socket", socket.read(&mut buf))
+            .await
+            .unwrap();
+        assert!(n > 0, "the connection closed early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    drop(socket); // the client gives up mid-stream
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    t.open();
+    let client = support::client();
+    let retry = support::http(&client, addr, request("/tokens", "leave")).await;
+    assert_eq!(retry.status, StatusCode::OK);
+    assert!(retry.replayed());
+    assert_eq!(retry.body, all_events(1, 10), "the whole stream, once");
+    assert_eq!(t.runs(), 1);
+    wait_until("the execution finished", || {
+        t.finished.load(Ordering::SeqCst) == 1
+    })
+    .await;
+}
+
+async fn trailers_round_trip(s: TestStore) {
+    let t = Tokens::new(true);
+    let app = app(&s, &t, |b| b);
+    let first = app
+        .clone()
+        .oneshot(request("/tokens?n=3&trailers=true", "trailers"))
+        .await
+        .unwrap();
+    let (body, trailers) = read_all(first.into_body()).await.unwrap();
+    assert_eq!(trailers.unwrap()["x-tokens"], "3");
+    let again = app
+        .clone()
+        .oneshot(request("/tokens?n=3&trailers=true", "trailers"))
+        .await
+        .unwrap();
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    let (replayed, replayed_trailers) = read_all(again.into_body()).await.unwrap();
+    assert_eq!(replayed, body);
+    assert_eq!(replayed_trailers.unwrap()["x-tokens"], "3");
+    assert_eq!(t.runs(), 1);
+}
+
+async fn a_body_not_kept_is_never_replayed_as_a_success(s: TestStore) {
+    // The handler opts out; and another stream goes over the record limit mid-way, with a
+    // joiner following it: the joiner's body breaks off, retries get 410.
+    let t = Tokens::new(true);
+    let app = app(&s, &t, |b| b);
+    let first = app
+        .clone()
+        .oneshot(request("/tokens?not_kept=true", "opt-out"))
+        .await
+        .unwrap();
+    let (body, _) = read_all(first.into_body()).await.unwrap();
+    assert_eq!(body, all_events(1, 10), "the client gets it all");
+    let retry = support::send(&app, request("/tokens?not_kept=true", "opt-out")).await;
+    assert_eq!(retry.status, StatusCode::GONE);
+    assert_eq!(retry.problem(), "response-not-stored");
+    assert_eq!(retry.json()["original_status"], 200);
+
+    let t = Tokens::new(false);
+    let app_limited = app_with_limit(&s, &t, 200);
+    let first = app_limited
+        .clone()
+        .oneshot(request("/tokens", "over"))
+        .await
+        .unwrap();
+    let mut first_body = first.into_body();
+    within("the first event", first_body.frame())
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let joiner = app_limited
+        .clone()
+        .oneshot(request("/tokens", "over"))
+        .await
+        .unwrap();
+    t.open();
+    let (rest, _) = read_all(Body::new(first_body)).await.unwrap();
+    assert!(!rest.is_empty(), "the first client gets the whole body");
+    assert!(
+        read_all(joiner.into_body()).await.is_err(),
+        "the joiner cannot get the body the record did not keep: it breaks off"
+    );
+    let retry = support::send(&app_limited, request("/tokens", "over")).await;
+    assert_eq!(retry.status, StatusCode::GONE);
+    assert_eq!(t.runs(), 1);
+}
+
+macro_rules! both {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::TestStore::memory().await).await;
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::TestStore::redis(stringify!($name)).await).await;
+                }
+            )*
+        }
+    };
+}
+
+both!(
+    the_first_event_arrives_before_the_handler_finishes,
+    a_joiner_gets_the_same_bytes_live_and_after_the_end,
+    a_client_that_leaves_mid_stream_gets_the_whole_stream_on_retry,
+    trailers_round_trip,
+    a_body_not_kept_is_never_replayed_as_a_success,
+);
+
+/// The writer's lease is lost mid-stream (no renewal, a short lease): it appends nothing more,
+/// its completion is refused, a joiner's body breaks off, and a retry runs the handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_lost_mid_stream_stops_the_record_and_breaks_joiners_off() {
+    let s = TestStore::redis("lost-mid-stream").await;
+    let t = Tokens::new(false);
+    let lock = distlock::LockConfig::builder()
+        .lease(Duration::from_millis(400))
+        .watchdog(false)
+        .build()
+        .unwrap();
+    let app = app(&s, &t, |b| b.lock_config(lock));
+    let first = app
+        .clone()
+        .oneshot(request("/tokens", "lost"))
+        .await
+        .unwrap();
+    let mut first_body = first.into_body();
+    within("the first event", first_body.frame())
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let joiner = app
+        .clone()
+        .oneshot(request("/tokens", "lost"))
+        .await
+        .unwrap();
+    assert_eq!(joiner.headers()["idempotent-replayed"], "true");
+    // The lease runs out while the handler waits at the gate.
+    let joined = read_all(joiner.into_body()).await;
+    assert!(
+        joined.is_err(),
+        "the joiner sees its stream break off: {joined:?}"
+    );
+    t.open();
+    let (rest, _) = read_all(Body::new(first_body)).await.unwrap();
+    assert!(
+        !rest.is_empty(),
+        "the first client still gets its whole body"
+    );
+    let retry = support::send(&app, request("/tokens", "lost")).await;
+    assert!(!retry.replayed(), "nothing was stored by the lost lease");
+    assert_eq!(t.runs(), 2);
+}
+
+/// A stored streamed record whose parts are altered, swapped or missing in Redis is reported:
+/// the body breaks off, never a complete short one; the handler does not run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_or_missing_chunk_is_reported_never_replayed_short() {
+    use ::redis::AsyncCommands;
+    let s = TestStore::redis("corrupt-chunk").await;
+    let t = Tokens::new(true);
+    let app = app(&s, &t, |b| b);
+    let first = app
+        .clone()
+        .oneshot(request("/tokens", "corrupt"))
+        .await
+        .unwrap();
+    let (whole, _) = read_all(first.into_body()).await.unwrap();
+    let server = s.server.as_ref().unwrap();
+    let mut r = server.connection().await;
+    let lists: Vec<String> = r
+        .keys(format!("{}:*:parts", s.store.client().prefix()))
+        .await
+        .unwrap();
+    assert_eq!(lists.len(), 1, "{lists:?}");
+    let parts: Vec<Vec<u8>> = r.lrange(&lists[0], 0, -1).await.unwrap();
+    assert!(parts.len() >= 4, "head, chunks, end: {}", parts.len());
+    let replay = || async {
+        let response = app
+            .clone()
+            .oneshot(request("/tokens", "corrupt"))
+            .await
+            .unwrap();
+        if response.status() == StatusCode::INTERNAL_SERVER_ERROR {
+            // Reported before any body: record-unreadable.
+            let body = read_all(response.into_body()).await.unwrap().0;
+            assert!(String::from_utf8_lossy(&body).contains("record-unreadable"));
+            return Err("record-unreadable".to_owned());
+        }
+        assert_eq!(response.headers()["idempotent-replayed"], "true");
+        read_all(response.into_body()).await
+    };
+    assert_eq!(replay().await.unwrap().0, whole, "intact: replayed whole");
+    // A chunk altered.
+    let mut altered = parts[1].clone();
+    let last = altered.len() - 1;
+    altered[last] ^= 1;
+    let _: () = r.lset(&lists[0], 1, &altered).await.unwrap();
+    assert!(
+        replay().await.is_err(),
+        "an altered chunk breaks the body off"
+    );
+    // Two chunks swapped.
+    let _: () = r.lset(&lists[0], 1, &parts[2]).await.unwrap();
+    let _: () = r.lset(&lists[0], 2, &parts[1]).await.unwrap();
+    assert!(replay().await.is_err(), "swapped chunks break the body off");
+    // A chunk missing (the list shorter than the record says).
+    let _: () = r.lset(&lists[0], 1, &parts[1]).await.unwrap();
+    let _: () = r.lset(&lists[0], 2, &parts[2]).await.unwrap();
+    let _: i64 = r.lrem(&lists[0], 1, &parts[2]).await.unwrap();
+    let missing = replay().await;
+    assert_eq!(
+        missing,
+        Err("record-unreadable".to_owned()),
+        "a missing chunk"
+    );
+    assert_eq!(t.runs(), 1, "never run again");
+}
