@@ -51,6 +51,20 @@
 //! them. With the store unreachable the layer fails closed (503) unless built with
 //! [`fail_open`](IdempotencyLayerBuilder::fail_open).
 //!
+//! # Streaming responses
+//!
+//! A response whose body is not complete at once (server-sent events, a large download) is
+//! streamed: its head and every frame go to the client as they come (the time to first byte
+//! is the handler's), and its record is appended to the store chunk by chunk as it passes
+//! ([`chunk_size`](IdempotencyLayerBuilder::chunk_size); the layer holds at most a chunk of
+//! it), then ended with its trailers. A duplicate that arrives meanwhile with
+//! [`OnConflict::Wait`] **joins the live stream**: the head, every chunk stored so far, then
+//! the live ones, byte for byte what the first client gets. A completed streamed record is
+//! replayed part by part. A stream that cannot be read to its end (its writer died, a part is
+//! missing or altered) breaks the body off with an error, never a complete short body. A
+//! handler can keep a body out of the store with [`KeepBody::No`]. Redlock does not stream
+//! records: there the body is kept in memory up to the record limit and stored at the end.
+//!
 //! # Where to put it
 //!
 //! * **After authentication** (authentication is an outer layer), so the
