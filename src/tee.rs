@@ -86,12 +86,15 @@ pub(crate) async fn tee<B, E>(
     let headers = parts.headers.clone();
     let (mut feed, live) = Feed::channel();
     let _ = reply.send(Finished::Response(Response::from_parts(parts, live)));
+    // What was read goes to the client before anything waits on the store.
+    for frame in &early {
+        forward(&mut feed, frame).await;
+    }
     let mut sink = Sink::open(&run, status, &headers, keep).await;
-    let mut failed: Option<BoxError> = failed;
     for frame in early {
-        forward(&mut feed, &frame).await;
         sink.add(&run, frame).await;
     }
+    let mut failed: Option<BoxError> = failed;
     while failed.is_none() {
         let next = match poll_now(body.as_mut()).await {
             Some(next) => next,

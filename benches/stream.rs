@@ -1,0 +1,298 @@
+//! Streaming responses through the layer, over HTTP on loopback, each figure a ratio against a
+//! baseline taken in the same round:
+//!
+//! * **time to first byte** of a server-sent-events response (first event at once, more
+//!   later), with the layer on the memory and the Redis store / without it; and, on Redis,
+//!   beyond one round trip (the layer's begin is one: the goal is <= 1.05 + one round trip);
+//! * **replay throughput** of a stored 10 MiB record, part by part, against a handler serving
+//!   the same bytes (goal >= 0.8);
+//! * **the layer's peak memory** while 100 MiB stream through it (Redis store, so the record
+//!   lives in Redis), as the peak of live heap bytes with the layer minus without it, in
+//!   chunks' worth (goal < 2).
+//!
+//! ```sh
+//! cargo bench --bench stream                 # 5 rounds
+//! BENCH_ROUNDS=9 cargo bench --bench stream
+//! ```
+
+mod common;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use bytes::Bytes;
+use common::{Mode, Series, row};
+use http_body::Frame;
+use http_body_util::{BodyExt, Empty, StreamBody};
+use hyper_util::rt::TokioIo;
+use peak_alloc::PeakAlloc;
+use testkit::RedisServer;
+use tower_idempotency::{IdempotencyLayer, Store};
+
+#[global_allocator]
+static HEAP: PeakAlloc = PeakAlloc;
+
+const CHUNK: usize = 64 * 1024;
+static DATA: [u8; CHUNK] = [b'x'; CHUNK];
+
+/// Server-sent events: the first at once, five more 2 ms apart.
+async fn sse() -> Response {
+    let events = futures_util::stream::unfold(0u32, |i| async move {
+        if i == 6 {
+            return None;
+        }
+        if i > 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let event = Bytes::from(format!("data: event {i}\n\n"));
+        Some((Ok::<_, Infallible>(Frame::data(event)), i + 1))
+    });
+    (
+        [("content-type", "text/event-stream")],
+        Body::new(StreamBody::new(events)),
+    )
+        .into_response()
+}
+
+/// `?mib=N` MiB in 64 KiB chunks, all ready at once.
+async fn download(axum::extract::Query(q): axum::extract::Query<Mib>) -> Response {
+    let chunks = futures_util::stream::iter(
+        (0..q.mib * 16).map(|_| Ok::<_, Infallible>(Frame::data(Bytes::from_static(&DATA)))),
+    );
+    Body::new(StreamBody::new(chunks)).into_response()
+}
+
+#[derive(serde::Deserialize)]
+struct Mib {
+    mib: usize,
+}
+
+fn app(store: Option<Store>) -> Router {
+    let routes = Router::new()
+        .route("/sse", post(sse))
+        .route("/download", post(download));
+    match store {
+        None => routes,
+        Some(store) => routes.layer(
+            IdempotencyLayer::builder(store)
+                .secret("bench secret: 32 bytes, not for real use")
+                .unwrap()
+                .global_keys()
+                .record_limit(256 << 20)
+                .build()
+                .unwrap(),
+        ),
+    }
+}
+
+type Sender = hyper::client::conn::http1::SendRequest<Empty<Bytes>>;
+
+async fn connect(addr: SocketAddr) -> Sender {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.set_nodelay(true).unwrap();
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    sender
+}
+
+fn request(addr: SocketAddr, path: &str, key: &str) -> http::Request<Empty<Bytes>> {
+    http::Request::post(format!("http://{addr}{path}"))
+        .header("idempotency-key", key)
+        .body(Empty::new())
+        .unwrap()
+}
+
+/// Median time from sending a request to its first body byte, over `n` new keys.
+async fn ttfb(addr: SocketAddr, tag: &str, n: usize) -> f64 {
+    let mut sender = connect(addr).await;
+    let mut samples = Vec::with_capacity(n);
+    for i in 0..n {
+        sender.ready().await.unwrap();
+        let started = Instant::now();
+        let response = sender
+            .send_request(request(addr, "/sse", &format!("{tag}-{i}")))
+            .await
+            .unwrap();
+        let mut body = response.into_body();
+        let first = body.frame().await.unwrap().unwrap();
+        samples.push(started.elapsed());
+        assert!(first.is_data());
+        while body.frame().await.is_some() {}
+    }
+    common::percentile_us(&mut samples, 50.0)
+}
+
+/// Reads a response of `path` with `key` to its end: bytes per second.
+async fn throughput(addr: SocketAddr, path: &str, key: &str) -> f64 {
+    let mut sender = connect(addr).await;
+    sender.ready().await.unwrap();
+    let started = Instant::now();
+    let response = sender.send_request(request(addr, path, key)).await.unwrap();
+    let mut body = response.into_body();
+    let mut len = 0usize;
+    while let Some(frame) = body.frame().await {
+        len += frame.unwrap().into_data().map_or(0, |d| d.len());
+    }
+    len as f64 / started.elapsed().as_secs_f64()
+}
+
+/// Peak live heap bytes while 100 MiB stream from `path` (a new key), above the level before.
+async fn peak_heap(addr: SocketAddr, key: &str, mib: usize) -> f64 {
+    let mut sender = connect(addr).await;
+    sender.ready().await.unwrap();
+    let base = HEAP.current_usage();
+    HEAP.reset_peak_usage();
+    let response = sender
+        .send_request(request(addr, &format!("/download?mib={mib}"), key))
+        .await
+        .unwrap();
+    let mut body = response.into_body();
+    while body.frame().await.is_some() {}
+    HEAP.peak_usage().saturating_sub(base) as f64
+}
+
+/// Median round trip of a PING to Redis.
+async fn redis_rtt(server: &RedisServer) -> f64 {
+    let mut conn = server.connection().await;
+    let mut samples = Vec::new();
+    for _ in 0..200 {
+        let started = Instant::now();
+        let _: String = redis::cmd("PING").query_async(&mut conn).await.unwrap();
+        samples.push(started.elapsed());
+    }
+    common::percentile_us(&mut samples, 50.0)
+}
+
+fn main() {
+    let mode = Mode::from_args();
+    // The servers: a runtime of their own, as in a service.
+    let servers = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let client = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let redis = client.block_on(RedisServer::start_owned());
+    let url = redis.url();
+    let addrs: Vec<SocketAddr> = ["none", "memory", "redis"]
+        .iter()
+        .map(|variant| {
+            let store = match *variant {
+                "none" => None,
+                "memory" => Some(Store::memory_with(
+                    distlock::MemoryLimits::new(100_000, 1 << 30).unwrap(),
+                )),
+                _ => Some(servers.block_on(async { Store::redis(&url).unwrap() })),
+            };
+            servers.block_on(async {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let addr = listener.local_addr().unwrap();
+                tokio::spawn(async move { axum::serve(listener, app(store)).await.unwrap() });
+                addr
+            })
+        })
+        .collect();
+    let (none, memory, redis_addr) = (addrs[0], addrs[1], addrs[2]);
+    let n = if mode.full { 200 } else { 10 };
+    let big = if mode.full { 100 } else { 4 };
+    let replay_mib = if mode.full { 10 } else { 1 };
+    // Records for the replays.
+    client.block_on(async {
+        for addr in [memory, redis_addr] {
+            throughput(addr, &format!("/download?mib={replay_mib}"), "stored").await;
+        }
+    });
+
+    let (mut t_none, mut t_mem, mut t_redis, mut rtt) = Default::default();
+    let (mut r_handler, mut r_mem, mut r_redis) = Default::default();
+    let (mut m_none, mut m_redis) = (Series::default(), Series::default());
+    for round in 0..mode.rounds {
+        eprintln!("round {}/{}", round + 1, mode.rounds);
+        client.block_on(async {
+            let t: &mut [(&mut Series, SocketAddr)] = &mut [
+                (&mut t_none, none),
+                (&mut t_mem, memory),
+                (&mut t_redis, redis_addr),
+            ];
+            for (series, addr) in t.iter_mut() {
+                series.push(ttfb(*addr, &format!("r{round}"), n).await);
+            }
+            Series::push(&mut rtt, redis_rtt(&redis).await);
+            let path = format!("/download?mib={replay_mib}");
+            Series::push(&mut r_handler, throughput(none, &path, "-").await);
+            Series::push(&mut r_mem, throughput(memory, &path, "stored").await);
+            Series::push(&mut r_redis, throughput(redis_addr, &path, "stored").await);
+            m_none.push(peak_heap(none, &format!("big-{round}"), big).await);
+            m_redis.push(peak_heap(redis_addr, &format!("big-{round}"), big).await);
+        });
+    }
+
+    println!(
+        "\n## Streaming ({} rounds; {})\n",
+        mode.rounds,
+        common::machine()
+    );
+    row(&["figure", "min / median / max"]);
+    row(&["---", "---"]);
+    row(&["TTFB no layer, p50 (µs)", &span(&t_none)]);
+    row(&[
+        "TTFB memory store / no layer",
+        &t_mem.ratio(&t_none).fmt_ratio(),
+    ]);
+    row(&[
+        "TTFB Redis store / no layer",
+        &t_redis.ratio(&t_none).fmt_ratio(),
+    ]);
+    let beyond: Series = Series(t_redis.0.iter().zip(&rtt.0).map(|(t, r)| t - r).collect());
+    row(&["Redis round trip, PING p50 (µs)", &span(&rtt)]);
+    row(&[
+        "TTFB Redis store minus one round trip / no layer",
+        &beyond.ratio(&t_none).fmt_ratio(),
+    ]);
+    row(&[
+        &format!("handler serving {replay_mib} MiB, no layer (MB/s)"),
+        &span(&mb(&r_handler)),
+    ]);
+    row(&[
+        "replay throughput, memory store / handler",
+        &r_mem.ratio(&r_handler).fmt_ratio(),
+    ]);
+    row(&[
+        "replay throughput, Redis store / handler",
+        &r_redis.ratio(&r_handler).fmt_ratio(),
+    ]);
+    let layer_peak = Series(
+        m_redis
+            .0
+            .iter()
+            .zip(&m_none.0)
+            .map(|(l, n)| (l - n) / CHUNK as f64)
+            .collect(),
+    );
+    row(&[
+        &format!("peak heap streaming {big} MiB, no layer (KiB)"),
+        &span(&Series(m_none.0.iter().map(|b| b / 1024.0).collect())),
+    ]);
+    row(&[
+        &format!("the layer's peak heap streaming {big} MiB (Redis store), in 64 KiB chunks"),
+        &layer_peak.fmt_ratio(),
+    ]);
+}
+
+fn span(s: &Series) -> String {
+    format!("{:.0} / {:.0} / {:.0}", s.min(), s.median(), s.max())
+}
+
+fn mb(s: &Series) -> Series {
+    Series(s.0.iter().map(|b| b / 1e6).collect())
+}
