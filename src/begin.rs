@@ -180,7 +180,8 @@ where
         (config.on_conflict, &began)
         && theirs[..] == fingerprint[..]
     {
-        began = once.begin_wait(tag, wait).await;
+        // Boxed: waiting is the rare path; it should not grow every request's future.
+        began = Box::pin(once.begin_wait(tag, wait)).await;
     }
     store_latency("begin", started.elapsed());
     match began {
@@ -219,7 +220,7 @@ where
                 fingerprint: &fingerprint,
                 request: &parts,
             };
-            let (response, outcome) = replay(&config, stored, record).await;
+            let (response, outcome) = Box::pin(replay(&config, stored, record)).await;
             tracing::debug!(key = %name, outcome = outcome.as_str(), "idempotency: stored outcome");
             count(outcome);
             Decision::Respond(response)
@@ -241,7 +242,7 @@ where
                 fingerprint: &fingerprint,
                 request: &parts,
             };
-            let (response, outcome) = join(&config, stored, fence).await;
+            let (response, outcome) = Box::pin(join(&config, stored, fence)).await;
             tracing::debug!(key = %name, outcome = outcome.as_str(), "idempotency: joined a response being stored");
             count(outcome);
             Decision::Respond(response)

@@ -41,7 +41,7 @@ impl Run {
 /// Stores a final response whole (nothing was appended): its status, kept headers, body
 /// (`None`: not kept, only the status and headers are) and trailers.
 pub(crate) async fn response(
-    run: Run,
+    run: Box<Run>,
     status: StatusCode,
     headers: &HeaderMap,
     body: Option<&[u8]>,
@@ -68,7 +68,7 @@ pub(crate) async fn response(
 
 /// Ends a streamed record (its head and chunks were appended): whether the body was kept, its
 /// length, its trailers.
-pub(crate) async fn end(run: Run, kept: bool, len: u64, trailers: Option<&HeaderMap>) {
+pub(crate) async fn end(run: Box<Run>, kept: bool, len: u64, trailers: Option<&HeaderMap>) {
     if !kept {
         tracing::warn!(
             limit = run.config.record_limit,
@@ -129,7 +129,7 @@ pub(crate) fn joined(headers: &HeaderMap, name: &HeaderName) -> Option<HeaderVal
 
 /// The handler started and its outcome cannot be known (`why`): record it or release the key,
 /// as the layer is configured.
-pub(crate) async fn unknown(run: Run, why: &str) {
+pub(crate) async fn unknown(run: Box<Run>, why: &str) {
     let fence = run.guard.fence();
     match run.config.unknown_outcome {
         UnknownOutcome::Release => {
@@ -169,14 +169,14 @@ pub(crate) async fn unknown(run: Run, why: &str) {
 
 /// Releases the key without storing anything (and drops what was appended): a retry runs the
 /// handler again.
-pub(crate) async fn release(run: Run, event: Event) {
+pub(crate) async fn release(run: Box<Run>, event: Event) {
     if let Err(error) = run.guard.abort().await {
         tracing::debug!(%error, "idempotency: release failed; the lease will expire");
     }
     count(event);
 }
 
-async fn store(run: Run, record: &[u8], event: Event) {
+async fn store(run: Box<Run>, record: &[u8], event: Event) {
     let started = Instant::now();
     let fence = run.guard.fence();
     let event = match run.guard.complete(record).await {

@@ -71,22 +71,31 @@ where
     let (reply, result) = oneshot::channel();
     let inline = run.config.cancel_on_disconnect;
     let span = run.span.clone();
-    let execution = execute(future, *run, reply).instrument(span);
+    let execution = execute(future, run, reply);
     if inline {
+        let driver: Driver = if span.is_disabled() {
+            Box::pin(execution)
+        } else {
+            Box::pin(execution.instrument(span))
+        };
         return Some(Started {
             result,
-            driver: Some(Box::pin(execution)),
+            driver: Some(driver),
         });
     }
     let runtime = tokio::runtime::Handle::try_current().ok()?;
-    runtime.spawn(execution);
+    if span.is_disabled() {
+        runtime.spawn(execution);
+    } else {
+        runtime.spawn(execution.instrument(span));
+    }
     Some(Started {
         result,
         driver: None,
     })
 }
 
-async fn execute<F, B, E>(future: F, run: Run, reply: oneshot::Sender<Finished<B, E>>)
+async fn execute<F, B, E>(future: F, run: Box<Run>, reply: oneshot::Sender<Finished<B, E>>)
 where
     F: Future<Output = Result<Response<B>, E>>,
     B: Body,

@@ -33,7 +33,7 @@ use crate::execution::{self, Driver, Finished, Started};
 use crate::layer::Config;
 use crate::replay::problem;
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 pin_project! {
     /// Response future of [`Idempotency`](crate::Idempotency).

@@ -38,7 +38,7 @@ const IDLE_FLUSH: Duration = Duration::from_millis(10);
 
 /// Sends the response to the client and stores its outcome; `keep`: whether its body is kept.
 pub(crate) async fn tee<B, E>(
-    run: Run,
+    run: Box<Run>,
     parts: http::response::Parts,
     body: B,
     keep: bool,
@@ -251,7 +251,7 @@ impl Sink {
     }
 
     /// Stores the outcome: whole, or the end of what was appended.
-    async fn finish(mut self, run: Run, status: StatusCode, headers: &HeaderMap) {
+    async fn finish(mut self, run: Box<Run>, status: StatusCode, headers: &HeaderMap) {
         self.flush(&run).await;
         let trailers = self.trailers.take();
         match self.mode {

@@ -181,7 +181,7 @@ impl LockGuard {
     pub async fn release(mut self) -> Result<bool, LockError> {
         self.disarm();
         let release = crate::backend::release_and_wake(&*self.backend, &self.op);
-        match tokio::time::timeout(self.config.op_timeout(), release).await {
+        match crate::backend::timed(self.config.op_timeout(), release).await {
             Ok(result) => result,
             Err(_) => Err(LockError::timeout(
                 self.op.name.as_str(),

@@ -196,7 +196,7 @@ pub(crate) async fn attempt(
         sent,
         armed: true,
     };
-    let outcome = tokio::time::timeout(config.op_timeout(), backend.acquire(op)).await;
+    let outcome = crate::backend::timed(config.op_timeout(), backend.acquire(op)).await;
     in_flight.armed = false;
     let error = match outcome {
         Ok(Ok(attempt)) => return Ok((attempt, sent)),

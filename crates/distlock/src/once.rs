@@ -680,7 +680,7 @@ impl Once {
     pub async fn parts(&self, from: u64, max: usize) -> Result<Parts, LockError> {
         let timeout = self.config.op_timeout();
         let read = self.client.backend().parts(&self.name, from, max);
-        match tokio::time::timeout(timeout, read).await {
+        match crate::backend::timed(timeout, read).await {
             Ok(read) => read,
             Err(_) => Err(LockError::timeout(self.name.as_str(), false, timeout)),
         }
@@ -925,7 +925,7 @@ where
     let lease = guard.lease();
     let mut backoff = Backoff::new(config.retry_base(), config.retry_max());
     loop {
-        let error = match tokio::time::timeout(config.op_timeout(), call()).await {
+        let error = match crate::backend::timed(config.op_timeout(), call()).await {
             Ok(Ok(done)) => return Ok(done),
             Ok(Err(error)) => error.into_ambiguous(),
             Err(_) => LockError::timeout(guard.name(), true, config.op_timeout()),

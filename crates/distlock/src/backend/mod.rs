@@ -104,6 +104,20 @@ pub(crate) enum Appended {
     Mismatch { len: u64 },
 }
 
+/// `future` within `limit`. A store that answers at once (the in-memory store) is not given a
+/// timer: the future is polled once first, and only one that is still pending is timed.
+pub(crate) async fn timed<F: Future>(
+    limit: Duration,
+    future: F,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    use futures_util::FutureExt;
+    let mut future = std::pin::pin!(future);
+    match (&mut future).now_or_never() {
+        Some(ready) => Ok(ready),
+        None => tokio::time::timeout(limit, future).await,
+    }
+}
+
 /// Releases (compare-and-delete) and, if the lock was ours, wakes the next waiter in this
 /// client at once rather than when the store's announcement comes back (the announcement
 /// carries the same token, so it does not wake a second one). A reentrant hold is one of
