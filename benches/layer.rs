@@ -5,7 +5,8 @@
 //!
 //! ```sh
 //! cargo bench --bench layer                              # criterion: time per request
-//! cargo bench --bench layer -- --profile execute 20000   # a fixed run, for callgrind/perf:
+//! cargo bench --bench layer -- --profile execute 20000   # a fixed run, for callgrind/perf
+//!                                                        # (execute, replay, inline, none, full):
 //! valgrind --tool=callgrind target/release/deps/layer-* --profile execute 20000
 //! ```
 
@@ -33,15 +34,14 @@ async fn pay(body: bytes::Bytes) -> (StatusCode, axum::Json<serde_json::Value>) 
 fn app(variant: &str) -> Router {
     let routes = Router::new().route("/pay", post(pay));
     let layer = |cancel: bool| {
-        IdempotencyLayer::builder(Store::memory_with(
-            distlock::MemoryLimits::new(4_000_000, 2 << 30).unwrap(),
-        ))
-        .secret("bench secret: 32 bytes, not for real use")
-        .unwrap()
-        .global_keys()
-        .cancel_on_disconnect(cancel)
-        .build()
-        .unwrap()
+        // The default store: 100,000 entries (the "full" variants fill it first).
+        IdempotencyLayer::builder(Store::memory())
+            .secret("bench secret: 32 bytes, not for real use")
+            .unwrap()
+            .global_keys()
+            .cancel_on_disconnect(cancel)
+            .build()
+            .unwrap()
     };
     match variant {
         "none" => routes,
@@ -62,6 +62,15 @@ async fn one(app: &Router, key: &str) -> usize {
     let response = app.clone().oneshot(request(key)).await.unwrap();
     let body = response.into_body().collect().await.unwrap().to_bytes();
     body.len()
+}
+
+/// More keys than the default store holds: from here on every new key evicts an old record.
+const FILL: u64 = 120_000;
+
+async fn fill_store(app: &Router, n: u64) {
+    for i in 0..n {
+        one(app, &format!("fill-{i}")).await;
+    }
 }
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -91,6 +100,19 @@ fn layer(c: &mut Criterion) {
             })
         });
     }
+    // A full store: every new key evicts the oldest record (O(log n), as on an empty store).
+    let full = rt.block_on(async {
+        let full = app("detached");
+        fill_store(&full, FILL).await;
+        full
+    });
+    let mut n = 0u64;
+    g.bench_function("memory store, execute, full store", |b| {
+        b.iter(|| {
+            n += 1;
+            rt.block_on(one(&full, black_box(&format!("k-{n}"))))
+        })
+    });
     let app = rt.block_on(async { app("detached") });
     rt.block_on(one(&app, "stored"));
     g.bench_function("memory store, replay", |b| {
@@ -118,6 +140,9 @@ fn main() {
             })
         });
         rt.block_on(async {
+            if variant == "full" {
+                fill_store(&app, FILL).await;
+            }
             one(&app, "stored").await;
             for i in 0..n {
                 let key = if variant == "replay" {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use distlock::{Begin, OnceGuard};
+use distlock::{Begin, LockError, OnceGuard};
 use http::{Request, Response, header};
 use http_body::Body;
 
@@ -51,7 +51,7 @@ fn reject<B, R>(config: &Config, rejection: Rejection) -> Decision<B, R> {
     count(match rejection {
         Rejection::Conflict { .. } => Event::Conflict,
         Rejection::KeyReused => Event::Mismatch,
-        Rejection::StoreUnavailable { .. } => Event::StoreError,
+        Rejection::StoreUnavailable { .. } | Rejection::StoreFull { .. } => Event::StoreError,
         _ => Event::Rejected,
     });
     Decision::Respond(problem(config, &rejection))
@@ -282,6 +282,15 @@ where
                 request: Request::from_parts(parts, RequestBody::buffered(bytes)),
                 run: None,
             }
+        }
+        Err(error @ LockError::Capacity { .. }) => {
+            tracing::warn!(key = %name, %error, "idempotency store full: 503, handler not run");
+            reject(
+                &config,
+                Rejection::StoreFull {
+                    retry_after: config.retry_after,
+                },
+            )
         }
         Err(error) => {
             tracing::warn!(key = %name, %error, "idempotency store unavailable: 503, handler not run");

@@ -17,6 +17,7 @@
 //! | `principal-missing` | 500 | keys are scoped to a principal and the request has none (the layer runs before authentication?) |
 //! | `outcome-unknown` | 500 | a retry of a request whose handler panicked, failed or whose body broke off: it may have done its work (with the attempt's `fence`, for reconciliation) |
 //! | `store-unavailable` | 503 | the store cannot be reached (with `Retry-After`; fail-closed mode) |
+//! | `store-full` | 503 | the in-memory store is full of requests in flight, none of which may be evicted (with `Retry-After`; fail-closed mode) |
 //! | `response-not-stored` | 410 | a retry of a request whose response body was too large to store: it was processed (the `original_status` member says with which status, and stored headers such as `Location` are kept), the body cannot be replayed |
 //!
 //! The [`Rejection`] itself travels in the response extensions, so outer middleware and tests can
@@ -94,6 +95,12 @@ pub enum Rejection {
         /// Suggested wait before retrying.
         retry_after: Duration,
     },
+    /// The in-memory store is full of requests in flight (stored outcomes are evicted to make
+    /// room, leases in flight never are).
+    StoreFull {
+        /// Suggested wait before retrying.
+        retry_after: Duration,
+    },
     /// The original response's body was too large to store.
     ResponseNotStored {
         /// The original status.
@@ -138,7 +145,9 @@ impl Rejection {
             Rejection::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Rejection::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Rejection::RecordUnreadable { .. } => StatusCode::INTERNAL_SERVER_ERROR,
-            Rejection::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Rejection::StoreUnavailable { .. } | Rejection::StoreFull { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Rejection::ResponseNotStored { .. } => StatusCode::GONE,
             Rejection::NotAcceptable { .. } => StatusCode::NOT_ACCEPTABLE,
             Rejection::OutcomeUnknown { .. } | Rejection::PrincipalMissing { .. } => {
@@ -165,6 +174,7 @@ impl Rejection {
             Rejection::KeyReused => "key-reused",
             Rejection::RecordUnreadable { .. } => "record-unreadable",
             Rejection::StoreUnavailable { .. } => "store-unavailable",
+            Rejection::StoreFull { .. } => "store-full",
             Rejection::ResponseNotStored { .. } => "response-not-stored",
             Rejection::OutcomeUnknown { .. } => "outcome-unknown",
             Rejection::PrincipalMissing { .. } => "principal-missing",
@@ -194,6 +204,7 @@ impl Rejection {
                 "The stored outcome for this idempotency key cannot be read"
             }
             Rejection::StoreUnavailable { .. } => "Idempotency is temporarily unavailable",
+            Rejection::StoreFull { .. } => "Too many requests are in flight",
             Rejection::ResponseNotStored { .. } => {
                 "The request was processed, but its response was too large to store"
             }
@@ -248,6 +259,11 @@ impl Rejection {
                 "The idempotency store cannot be reached; the request was not processed. Retry after {} s.",
                 whole_seconds(*retry_after)
             ),
+            Rejection::StoreFull { retry_after } => format!(
+                "The idempotency store is full of requests in flight; this one was not processed. \
+                 Retry after {} s.",
+                whole_seconds(*retry_after)
+            ),
             Rejection::ResponseNotStored { status, limit } => format!(
                 "The original request was processed with status {}, but its response body was over \
                  the {limit}-byte storage limit, so it cannot be replayed. Do not send the request again \
@@ -287,9 +303,9 @@ impl Rejection {
     /// The `Retry-After` this rejection carries, if any.
     fn retry_after(&self) -> Option<Duration> {
         match self {
-            Rejection::Conflict { retry_after } | Rejection::StoreUnavailable { retry_after } => {
-                Some(*retry_after)
-            }
+            Rejection::Conflict { retry_after }
+            | Rejection::StoreUnavailable { retry_after }
+            | Rejection::StoreFull { retry_after } => Some(*retry_after),
             _ => None,
         }
     }
@@ -420,6 +436,7 @@ impl Rejection {
             Rejection::Conflict { .. } => GrpcCode::Aborted,
             Rejection::BodyTooLarge { .. } => GrpcCode::ResourceExhausted,
             Rejection::StoreUnavailable { .. } => GrpcCode::Unavailable,
+            Rejection::StoreFull { .. } => GrpcCode::ResourceExhausted,
             Rejection::ResponseNotStored { .. } | Rejection::NotAcceptable { .. } => {
                 GrpcCode::FailedPrecondition
             }
@@ -510,6 +527,9 @@ mod tests {
             Rejection::StoreUnavailable {
                 retry_after: Duration::from_secs(2),
             },
+            Rejection::StoreFull {
+                retry_after: Duration::from_secs(3),
+            },
             Rejection::ResponseNotStored {
                 status: StatusCode::CREATED,
                 limit: 9,
@@ -535,7 +555,9 @@ mod tests {
                 retry.is_some(),
                 matches!(
                     r,
-                    Rejection::Conflict { .. } | Rejection::StoreUnavailable { .. }
+                    Rejection::Conflict { .. }
+                        | Rejection::StoreUnavailable { .. }
+                        | Rejection::StoreFull { .. }
                 )
             );
             if let Some(v) = retry {

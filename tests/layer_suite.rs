@@ -801,3 +801,59 @@ async fn the_suite_on_sentinel_across_a_failover() {
 
     run_all(|name| TestStore::sentinel(&group, name)).await;
 }
+
+/// A full in-memory store: stored outcomes make room for new keys (the oldest first), requests
+/// in flight are never evicted, and when every entry is in flight a new key is answered 503
+/// `store-full` (with `Retry-After`) without running the handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_memory_store_evicts_outcomes_never_requests_in_flight() {
+    // Each key takes two entries while in flight (lease and state), one once stored.
+    let store =
+        tower_idempotency::Store::memory_with(distlock::MemoryLimits::new(4, 1 << 20).unwrap());
+    let (svc, probe) = app(&store, |b| b);
+    probe.close();
+    let first: Vec<_> = ["a", "b"]
+        .into_iter()
+        .map(|key| {
+            let svc = svc.clone();
+            tokio::spawn(async move { send(&svc, post_key("/things", key, "{}")).await })
+        })
+        .collect();
+    probe.started(2).await;
+    let full = send(&svc, post_key("/things", "c", "{}")).await;
+    assert_eq!(full.status, StatusCode::SERVICE_UNAVAILABLE, "{full:?}");
+    assert_eq!(full.problem(), "store-full");
+    assert!(full.headers.contains_key("retry-after"), "{full:?}");
+    assert_eq!(probe.runs(), 2, "the refused request did not run");
+    probe.open();
+    for reply in first {
+        let reply = within("a request in flight", reply).await.unwrap();
+        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    }
+    let c = send(&svc, post_key("/things", "c", "{}")).await;
+    assert_eq!(
+        c.status,
+        StatusCode::CREATED,
+        "room once they are stored: {c:?}"
+    );
+
+    // Eviction order, on a store of three entries: the oldest stored outcome goes first.
+    let store =
+        tower_idempotency::Store::memory_with(distlock::MemoryLimits::new(3, 1 << 20).unwrap());
+    let (svc, probe) = app(&store, |b| b);
+    for key in ["a", "b", "c"] {
+        // "c" needs two entries in flight: "a", the oldest outcome, is evicted for it.
+        let reply = send(&svc, post_key("/things", key, "{}")).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    }
+    let b = send(&svc, post_key("/things", "b", "{}")).await;
+    assert!(b.replayed(), "kept: {b:?}");
+    let c = send(&svc, post_key("/things", "c", "{}")).await;
+    assert!(c.replayed(), "kept: {c:?}");
+    let a = send(&svc, post_key("/things", "a", "{}")).await;
+    assert!(!a.replayed(), "the oldest outcome was evicted: {a:?}");
+    assert_eq!(
+        (probe.runs_of("a"), probe.runs_of("b"), probe.runs_of("c")),
+        (2, 1, 1)
+    );
+}

@@ -154,13 +154,45 @@ impl MemState {
 }
 
 /// A lock and its state, under the lock key.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Entry {
+    /// The key the entry is stored under (shared with the indexes).
+    key: Arc<str>,
     lock: Option<MemLock>,
     state: Option<MemState>,
+    /// Where the lock and the state stand in the store's indexes.
+    indexed: Indexed,
 }
 
+/// An entry's places in the indexes: exactly one per lock and one per state, moved whenever an
+/// expiry changes or a lock comes or goes (nothing stale is ever left behind to walk past).
+#[derive(Debug, Default, Clone, Copy)]
+struct Indexed {
+    /// Its key in [`Store::locks`].
+    lock: Option<At>,
+    /// Its key in [`Store::idle`] (no lock) or [`Store::busy`] (under a lock).
+    state: Option<(At, Place)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Idle,
+    Busy,
+}
+
+/// An index key: an expiry, and a sequence number that keeps equal expiries apart.
+type At = (Instant, u64);
+
 impl Entry {
+    fn new(key: Arc<str>) -> Self {
+        Entry {
+            key,
+            lock: None,
+            state: None,
+            indexed: Indexed::default(),
+        }
+    }
+
     fn live_lock(&self, now: Instant) -> Option<&MemLock> {
         self.lock.as_ref().filter(|l| l.expires > now)
     }
@@ -174,11 +206,11 @@ impl Entry {
         })
     }
 
-    fn bytes(&self, key: &str) -> usize {
+    fn bytes(&self) -> usize {
         if self.slots() == 0 {
             return 0;
         }
-        key.len() + self.state.as_ref().map_or(0, MemState::bytes)
+        self.key.len() + self.state.as_ref().map_or(0, MemState::bytes)
     }
 
     fn slots(&self) -> usize {
@@ -186,105 +218,134 @@ impl Entry {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Slot {
-    Lock,
-    State,
-}
-
 /// Entries by lock key. foldhash is randomly seeded (so lock names cannot be chosen to collide)
 /// and hashes these keys several times faster than SipHash.
 type Entries = HashMap<Arc<str>, Entry, foldhash::fast::RandomState>;
 
+/// The store. Every index is exact (one entry per lock or state, moved when it changes), so a
+/// sweep, and an eviction, costs O(log n) at any fill level.
 #[derive(Debug, Default)]
 struct Store {
     entries: Entries,
     /// Locks plus states (the entry bound counts both).
     slots: usize,
-    /// Expiry index of locks; entries whose expiry changed since are stale and skipped.
-    expiries: BTreeMap<(Instant, u64), (Slot, Arc<str>)>,
-    /// Expiry index of run-once state, the eviction order (kept apart so that a store full of
-    /// held locks finds nothing to evict without walking them).
-    state_expiries: BTreeMap<(Instant, u64), (Slot, Arc<str>)>,
+    /// Every lock, by expiry.
+    locks: BTreeMap<At, Arc<str>>,
+    /// Run-once state of names nobody holds, by expiry: what may be evicted, in eviction order.
+    idle: BTreeMap<At, Arc<str>>,
+    /// Run-once state under a held lock, by expiry: swept when it expires, never evicted.
+    busy: BTreeMap<At, Arc<str>>,
     seq: u64,
     /// The last fencing token handed out, by any lock of the store.
     fence: u64,
     bytes: usize,
     evicted: u64,
+    /// When eviction was last logged (one warning a minute, with the count).
+    warned: Option<Instant>,
 }
 
-impl Store {
-    fn index(&mut self, at: Instant, slot: Slot, key: &Arc<str>) {
-        self.seq += 1;
-        let index = match slot {
-            Slot::Lock => &mut self.expiries,
-            Slot::State => &mut self.state_expiries,
-        };
-        index.insert((at, self.seq), (slot, key.clone()));
-    }
+/// How often a store evicting state before its expiry says so.
+const EVICTION_WARNING_EVERY: Duration = Duration::from_secs(60);
 
+impl Store {
     /// The next fencing token (saturating: 2^64 acquisitions are not reached).
     fn next_fence(&mut self) -> u64 {
         self.fence = self.fence.saturating_add(1);
         self.fence
     }
 
-    /// Accounts for a change to one entry and drops it when it is empty.
-    fn settle(&mut self, key: &str, before: (usize, usize)) {
-        let after = self
-            .entries
+    fn footprint(&self, key: &str) -> (usize, usize) {
+        self.entries
             .get(key)
-            .map_or((0, 0), |e| (e.slots(), e.bytes(key)));
+            .map_or((0, 0), |e| (e.slots(), e.bytes()))
+    }
+
+    /// Settles a change to one entry: accounts for it, moves it in the indexes, and drops it
+    /// when it is empty. Every change to an entry ends here.
+    fn settle(&mut self, key: &str, before: (usize, usize)) {
+        let Some(entry) = self.entries.get_mut(key) else {
+            self.slots -= before.0;
+            self.bytes -= before.1;
+            return;
+        };
+        let after = (entry.slots(), entry.bytes());
         self.slots = self.slots + after.0 - before.0;
         self.bytes = self.bytes + after.1 - before.1;
+
+        let want = entry.lock.as_ref().map(|l| l.expires);
+        if entry.indexed.lock.map(|(at, _)| at) != want {
+            if let Some(old) = entry.indexed.lock.take() {
+                self.locks.remove(&old);
+            }
+            if let Some(at) = want {
+                self.seq += 1;
+                self.locks.insert((at, self.seq), entry.key.clone());
+                entry.indexed.lock = Some((at, self.seq));
+            }
+        }
+        let place = if entry.lock.is_some() {
+            Place::Busy
+        } else {
+            Place::Idle
+        };
+        // A state without an expiry sorts last (it is still evictable).
+        let want = entry
+            .state
+            .as_ref()
+            .map(|s| (s.expires.unwrap_or_else(far), place));
+        if entry.indexed.state.map(|((at, _), place)| (at, place)) != want {
+            if let Some((old, place)) = entry.indexed.state.take() {
+                match place {
+                    Place::Idle => self.idle.remove(&old),
+                    Place::Busy => self.busy.remove(&old),
+                };
+            }
+            if let Some((at, place)) = want {
+                self.seq += 1;
+                let index = match place {
+                    Place::Idle => &mut self.idle,
+                    Place::Busy => &mut self.busy,
+                };
+                index.insert((at, self.seq), entry.key.clone());
+                entry.indexed.state = Some(((at, self.seq), place));
+            }
+        }
         if after.0 == 0 {
             self.entries.remove(key);
         }
     }
 
-    fn footprint(&self, key: &str) -> (usize, usize) {
-        self.entries
-            .get(key)
-            .map_or((0, 0), |e| (e.slots(), e.bytes(key)))
-    }
-
     /// Drops everything that expired by `now`.
     fn sweep(&mut self, now: Instant) {
         loop {
-            let lock = self.expiries.first_key_value().map(|(k, _)| *k);
-            let state = self.state_expiries.first_key_value().map(|(k, _)| *k);
-            let index = match (lock, state) {
-                (Some(l), Some(s)) if s < l => &mut self.state_expiries,
-                (Some(_), _) => &mut self.expiries,
-                (None, Some(_)) => &mut self.state_expiries,
-                (None, None) => break,
+            let first = |index: &BTreeMap<At, Arc<str>>| {
+                index
+                    .first_key_value()
+                    .map(|(at, _)| *at)
+                    .filter(|at| at.0 <= now)
             };
-            let Some(first) = index.first_entry() else {
+            let (lock, idle, busy) = (first(&self.locks), first(&self.idle), first(&self.busy));
+            let Some(at) = [lock, idle, busy].into_iter().flatten().min() else {
                 break;
             };
-            if first.key().0 > now {
-                break;
-            }
-            let (slot, key) = first.remove();
+            let (index, is_lock) = if Some(at) == lock {
+                (&mut self.locks, true)
+            } else if Some(at) == idle {
+                (&mut self.idle, false)
+            } else {
+                (&mut self.busy, false)
+            };
+            let Some(key) = index.remove(&at) else { break };
             let before = self.footprint(&key);
             let Some(entry) = self.entries.get_mut(&*key) else {
                 continue;
             };
-            match slot {
-                Slot::Lock => {
-                    if entry.lock.as_ref().is_some_and(|l| l.expires <= now) {
-                        entry.lock = None;
-                    }
-                }
-                Slot::State => {
-                    if entry
-                        .state
-                        .as_ref()
-                        .is_some_and(|s| s.expires.is_some_and(|e| e <= now))
-                    {
-                        entry.state = None;
-                    }
-                }
+            if is_lock {
+                entry.indexed.lock = None;
+                entry.lock = None;
+            } else {
+                entry.indexed.state = None;
+                entry.state = None;
             }
             self.settle(&key, before);
         }
@@ -306,36 +367,40 @@ impl Store {
             return true;
         }
         self.sweep(now);
-        // Run-once state in order of expiry (stale index entries are skipped), until it fits.
-        let mut cursor = None;
         while !fits(self) {
-            let next = match cursor {
-                None => self.state_expiries.iter().next(),
-                Some(after) => self
-                    .state_expiries
-                    .range((std::ops::Bound::Excluded(after), std::ops::Bound::Unbounded))
-                    .next(),
+            let Some((_, key)) = self.idle.pop_first() else {
+                break;
             };
-            let Some((at, (_, key))) = next else { break };
-            cursor = Some(*at);
-            let key = key.clone();
-            if self.entries.get(&*key).is_none_or(|e| e.lock.is_some()) {
-                continue;
-            }
             let before = self.footprint(&key);
-            if let Some(entry) = self.entries.get_mut(&*key)
-                && entry.state.take().is_some()
+            let Some(entry) = self.entries.get_mut(&*key) else {
+                continue;
+            };
+            entry.indexed.state = None;
+            entry.state = None;
+            self.settle(&key, before);
+            self.evicted += 1;
+            if self
+                .warned
+                .is_none_or(|at| now.saturating_duration_since(at) >= EVICTION_WARNING_EVERY)
             {
-                self.settle(&key, before);
-                self.evicted += 1;
+                self.warned = Some(now);
                 tracing::warn!(
-                    key = &*key,
-                    "in-memory lock store full: evicted idle state before its expiry"
+                    evicted = self.evicted,
+                    max_entries = limits.max_entries,
+                    max_bytes = limits.max_bytes,
+                    "in-memory lock store full: evicting idle state before its expiry \
+                     (the oldest first; raise MemoryLimits if records must be kept longer)"
                 );
             }
         }
         fits(self)
     }
+}
+
+/// The sort key of a state that never expires: after every state that does.
+fn far() -> Instant {
+    static FAR: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *FAR.get_or_init(|| crate::clock::after(crate::clock::now(), Duration::MAX))
 }
 
 fn state_ttl(op: &Op) -> Option<Duration> {
@@ -403,14 +468,9 @@ impl MemoryBackend {
                         if owner == me =>
                     {
                         holds.insert(op.token);
-                        let expires = lock.expires.max(now + op.lease);
-                        lock.expires = expires;
-                        let key = store
-                            .entries
-                            .get_key_value(key)
-                            .map(|(k, _)| k.clone())
-                            .expect("present");
-                        store.index(expires, Slot::Lock, &key);
+                        lock.expires = lock.expires.max(now + op.lease);
+                        let before = (entry.slots(), entry.bytes());
+                        store.settle(key, before);
                         Ok(Attempt::Acquired { fence })
                     }
                     _ => Ok(Attempt::Held {
@@ -437,14 +497,18 @@ impl MemoryBackend {
         if !store.make_room(&self.limits, new_slots, new_bytes, now) {
             return Err(capacity(op, &store));
         }
-        let shared_key = match store.entries.get_key_value(key) {
-            Some((k, _)) => k.clone(),
-            None => Arc::from(key),
-        };
         let before = store.footprint(key);
         let fence = if fenced { store.next_fence() } else { 0 };
-        let entry = store.entries.entry(shared_key.clone()).or_default();
-        let mut state_expiry = None;
+        let entry = match store.entries.get_mut(key) {
+            Some(entry) => entry,
+            None => {
+                let shared: Arc<str> = Arc::from(key);
+                store
+                    .entries
+                    .entry(shared.clone())
+                    .or_insert_with(|| Entry::new(shared))
+            }
+        };
         if let Some(tag) = tag {
             // Run-once state: the tag while held, the record once completed. A new holder
             // starts from no parts (an abandoned writer's are dropped).
@@ -452,10 +516,7 @@ impl MemoryBackend {
             state.tag = Some(tag);
             state.writer = fence;
             state.clear_parts();
-            if let Some(ttl) = state_ttl(op) {
-                state.expires = Some(crate::clock::after(now, ttl));
-                state_expiry = state.expires;
-            }
+            state.expires = state_ttl(op).map(|ttl| crate::clock::after(now, ttl));
         }
         let holder = match &op.mode {
             Mode::Reentrant { owner } => Holder::Reentrant {
@@ -470,10 +531,6 @@ impl MemoryBackend {
             expires: now + op.lease,
         });
         store.settle(key, before);
-        store.index(now + op.lease, Slot::Lock, &shared_key);
-        if let Some(at) = state_expiry {
-            store.index(at, Slot::State, &shared_key);
-        }
         Ok(Attempt::Acquired { fence })
     }
 
@@ -504,6 +561,7 @@ impl MemoryBackend {
             return false;
         };
         let ttl = state_ttl(op);
+        let before = store.footprint(&key);
         let entry = store.entries.get_mut(&*key).expect("owned");
         let mut expires = now + lease;
         if let Some(lock) = entry.lock.as_mut() {
@@ -514,17 +572,10 @@ impl MemoryBackend {
             }
             lock.expires = expires;
         }
-        let state_expiry = match (entry.state.as_mut(), ttl) {
-            (Some(state), Some(ttl)) => {
-                state.expires = Some(crate::clock::after(now, ttl));
-                Some(crate::clock::after(now, ttl))
-            }
-            _ => None,
-        };
-        store.index(expires, Slot::Lock, &key);
-        if let Some(at) = state_expiry {
-            store.index(at, Slot::State, &key);
+        if let (Some(state), Some(ttl)) = (entry.state.as_mut(), ttl) {
+            state.expires = Some(crate::clock::after(now, ttl));
         }
+        store.settle(&key, before);
         true
     }
 
@@ -604,13 +655,9 @@ impl MemoryBackend {
         }
         state.completed_by = Some(op.token);
         state.tag = None;
-        let state_expiry = ttl.map(|ttl| crate::clock::after(now, ttl));
-        state.expires = state_expiry;
+        state.expires = ttl.map(|ttl| crate::clock::after(now, ttl));
         entry.lock = None;
         store.settle(&key, before);
-        if let Some(at) = state_expiry {
-            store.index(at, Slot::State, &key);
-        }
         drop(store);
         self.waiters
             .wake(op.name.channel(), op.token.as_str().as_bytes());
@@ -651,12 +698,8 @@ impl MemoryBackend {
             state.push(part);
         }
         // Every part lives as long as the record would.
-        let state_expiry = state_ttl(op).map(|ttl| crate::clock::after(now, ttl));
-        state.expires = state_expiry;
+        state.expires = state_ttl(op).map(|ttl| crate::clock::after(now, ttl));
         store.settle(&key, before);
-        if let Some(at) = state_expiry {
-            store.index(at, Slot::State, &key);
-        }
         Ok(Appended::Stored)
     }
 
@@ -727,6 +770,13 @@ impl MemoryBackend {
     fn usage(&self) -> (usize, usize, u64) {
         let s = self.store();
         (s.slots, s.bytes, s.evicted)
+    }
+
+    /// Entries in the expiry and eviction indexes (for tests).
+    #[cfg(test)]
+    fn indexed(&self) -> usize {
+        let s = self.store();
+        s.locks.len() + s.idle.len() + s.busy.len()
     }
 }
 
@@ -1133,5 +1183,74 @@ mod tests {
         std::thread::sleep(Duration::from_millis(40));
         b.store().sweep(Instant::now());
         assert_eq!(b.usage(), (0, 0, 0));
+    }
+
+    /// The indexes hold one entry per lock and per state, whatever happens to them: renewals,
+    /// reentrant holds, appends, completions, releases and evictions leave nothing stale behind
+    /// (before: every renewal and every eviction left an entry that each later eviction walked
+    /// past, so a full store cost O(n) per new key).
+    #[test]
+    fn indexes_hold_one_entry_per_lock_and_state() {
+        let b = MemoryBackend::new(MemoryLimits::new(100, 1 << 20).unwrap());
+        let check = |b: &MemoryBackend, at: &str| {
+            let (slots, _, _) = b.usage();
+            assert_eq!(
+                b.indexed(),
+                slots,
+                "index entries vs locks and states, {at}"
+            );
+        };
+        let once = |name: &str| {
+            op(
+                name,
+                Mode::Once {
+                    tag: Bytes::from_static(b"tag"),
+                    retention: Duration::from_secs(60),
+                },
+                10_000,
+            )
+        };
+        // A held run-once lock renewed many times, with parts appended.
+        let a = once("renewed");
+        b.acquire_now(&a).unwrap();
+        for i in 0..50 {
+            assert!(b.extend_now(&a, Duration::from_secs(10)));
+            assert_eq!(b.append_now(&a, i, b"part").unwrap(), Appended::Stored);
+        }
+        check(&b, "after renewals and appends");
+        // Reentrant holds of one owner.
+        let owner = OwnerId::random();
+        let holds: Vec<_> = (0..20)
+            .map(|_| {
+                let h = op(
+                    "reentrant",
+                    Mode::Reentrant {
+                        owner: owner.clone(),
+                    },
+                    10_000,
+                );
+                b.acquire_now(&h).unwrap();
+                h
+            })
+            .collect();
+        check(&b, "after reentrant holds");
+        for h in &holds {
+            assert!(b.release_now(h));
+        }
+        check(&b, "after reentrant releases");
+        // Ten times more records than the store holds: every new one evicts an old one.
+        for i in 0..1_000 {
+            let o = once(&format!("k{i}"));
+            assert!(matches!(
+                b.acquire_now(&o).unwrap(),
+                Attempt::Acquired { .. }
+            ));
+            assert!(b.complete_now(&o, b"record", 0).unwrap());
+        }
+        check(&b, "after evictions");
+        assert!(b.usage().2 >= 900, "evicted {}", b.usage().2);
+        // The renewed lock was never evicted: still ours, with its parts.
+        assert!(b.complete_now(&a, b"end", 50).unwrap());
+        check(&b, "after the held lock completed");
     }
 }
