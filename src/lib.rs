@@ -146,7 +146,10 @@ pub use distlock;
 pub use distlock::ConfigError;
 pub use future::ResponseFuture;
 pub use key::{KeySource, KeySourceExt};
-pub use layer::{IdempotencyLayer, IdempotencyLayerBuilder, OnConflict, ReplayHeaders};
+pub use layer::{
+    DEFAULT_COMPLETION_GRACE, IdempotencyLayer, IdempotencyLayerBuilder, MAX_COMPLETION_GRACE,
+    OnConflict, ReplayHeaders,
+};
 pub use outcome::{KeepBody, Outcome, UnknownOutcome};
 pub use problem::Rejection;
 pub use replay::IDEMPOTENT_REPLAYED;
