@@ -177,7 +177,9 @@ mod lease;
 mod lock;
 mod name;
 pub mod once;
+mod refusal;
 pub mod sentinel;
+mod tls;
 mod token;
 mod watchdog;
 
@@ -191,4 +193,5 @@ pub use lease::LeaseWatch;
 pub use lock::Lock;
 pub use name::{LockName, MAX_NAME_LEN};
 pub use once::{Begin, Once, OnceGuard};
+pub use tls::Tls;
 pub use token::{OwnerId, Token};
