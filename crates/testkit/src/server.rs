@@ -124,8 +124,9 @@ struct Process {
 /// A Redis server for one test.
 ///
 /// [`RedisServer::start`] takes, in order: `REDIS_URL` if set; else a `redis-server` binary on
-/// `PATH` (or `REDIS_SERVER_BIN`), started on a free loopback port with its own temp dir and no
-/// persistence, killed on drop; else a `redis:7` container when a Docker engine answers. If none
+/// `PATH` (or `REDIS_SERVER_BIN`, e.g. a `valkey-server`), started on a free loopback port with
+/// its own temp dir and no persistence, killed on drop (with `TESTKIT_ACL` set to ACL rules, its
+/// [`url`](Self::url) logs in as a user with only those rules); else a `redis:7` container when a Docker engine answers. If none
 /// works the test fails with a message that says how to fix it; it never passes silently.
 ///
 /// Fault injection ([`stop`](Self::stop), [`pause`](Self::pause), [`restart`](Self::restart))
@@ -147,6 +148,8 @@ pub struct RedisServer {
     kind: Kind,
     url: Mutex<String>,
     port: Mutex<u16>,
+    /// The URL handed to the test when it logs in as an ACL user (`TESTKIT_ACL`).
+    user_url: Mutex<Option<String>>,
 }
 
 /// The password of the ACL users the harness creates (loopback servers of one test only).
@@ -190,11 +193,19 @@ impl RedisServer {
                 kind: Kind::External,
                 url: Mutex::new(url),
                 port: Mutex::new(port),
+                user_url: Mutex::new(None),
             };
             server.wait_ready(Duration::from_secs(10)).await?;
             return Ok(server);
         }
-        Self::try_start_owned(ServerOptions::default()).await
+        let server = Self::try_start_owned(ServerOptions::default()).await?;
+        if let Ok(rules) = std::env::var("TESTKIT_ACL")
+            && !rules.trim().is_empty()
+        {
+            let url = server.acl_user("testkit", &rules).await;
+            *server.user_url.lock().unwrap() = Some(url);
+        }
+        Ok(server)
     }
 
     /// A server this test owns (never `REDIS_URL`), for fault injection.
@@ -261,6 +272,7 @@ impl RedisServer {
             let server = RedisServer {
                 url: Mutex::new(format!("redis://127.0.0.1:{port}/")),
                 port: Mutex::new(port),
+                user_url: Mutex::new(None),
                 kind: Kind::Process(Box::new(process)),
             };
             match server.launch().await {
@@ -339,8 +351,18 @@ impl RedisServer {
         )))
     }
 
-    /// The URL, e.g. `redis://127.0.0.1:40123/`.
+    /// The URL, e.g. `redis://127.0.0.1:40123/`. For a server from [`start`](Self::start)
+    /// while `TESTKIT_ACL` holds ACL rules, the URL of a user with only those rules (the
+    /// harness's own [`client`](Self::client) and [`connection`](Self::connection) keep the
+    /// default user's rights).
     pub fn url(&self) -> String {
+        if let Some(url) = self.user_url.lock().unwrap().as_ref() {
+            return url.clone();
+        }
+        self.admin_url()
+    }
+
+    fn admin_url(&self) -> String {
         self.url.lock().unwrap().clone()
     }
 
@@ -417,7 +439,7 @@ impl RedisServer {
 
     /// A client for this server.
     pub fn client(&self) -> redis::Client {
-        redis::Client::open(self.url()).expect("the harness builds valid URLs")
+        redis::Client::open(self.admin_url()).expect("the harness builds valid URLs")
     }
 
     /// A multiplexed connection without a response timeout, for test administration such as
@@ -595,6 +617,7 @@ async fn start_container() -> Result<RedisServer, HarnessError> {
         kind: Kind::Container(Box::new(container)),
         url: Mutex::new(format!("redis://127.0.0.1:{port}/")),
         port: Mutex::new(port),
+        user_url: Mutex::new(None),
     };
     server.wait_ready(Duration::from_secs(30)).await?;
     Ok(server)

@@ -1,0 +1,203 @@
+//! The lock as a least-privilege ACL user: the documented rules (`distlock::acl_rules`) are
+//! enough for every kind of lock and for notifications; without channel rights waiters poll
+//! after one warning; a user refused a command the lock needs, or the keys under its prefix,
+//! gets a configuration error naming it at `prepare()`, and so does a server that renamed a
+//! command away. (The whole behavioural suite also runs as such a user: `TESTKIT_ACL` in
+//! `scripts/test.sh`.)
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use distlock::{Begin, ConfigError, LockClient, LockConfig, LockError, OwnerId};
+use testkit::{RedisServer, ServerOptions};
+
+const DEADLINE: Duration = Duration::from_secs(20);
+
+async fn within<T>(what: &str, future: impl std::future::Future<Output = T>) -> T {
+    match tokio::time::timeout(DEADLINE, future).await {
+        Ok(value) => value,
+        Err(_) => panic!("waited {DEADLINE:?} for: {what}"),
+    }
+}
+
+fn client(url: &str, prefix: &str, config: LockConfig) -> LockClient {
+    LockClient::builder()
+        .config(config)
+        .prefix(prefix)
+        .unwrap()
+        .connect(url)
+        .unwrap()
+}
+
+fn refusal(result: Result<(), LockError>) -> (&'static str, String) {
+    match result {
+        Err(LockError::Config(ConfigError::Invalid { field, reason })) => (field, reason),
+        other => panic!("expected a configuration error naming the refusal, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_rules_are_enough_for_every_lock_and_for_notifications() {
+    let server = RedisServer::start_owned().await;
+    let url = server.acl_user("locks", &distlock::acl_rules("app")).await;
+    // No polling: a waiter that gets the lock was woken by the announcement.
+    let config = LockConfig::builder().polling(false).build().unwrap();
+    let c = client(&url, "app", config);
+    within("prepare", c.prepare())
+        .await
+        .expect("prepare as the ACL user");
+
+    let lock = c.lock("job").unwrap();
+    let held = within("acquire", lock.try_acquire()).await.unwrap();
+    let waiter = tokio::spawn({
+        let lock = lock.clone();
+        async move { lock.acquire(Duration::from_secs(15)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(within("release", held.release()).await.unwrap());
+    let next = within("the waiter is woken", waiter)
+        .await
+        .unwrap()
+        .unwrap();
+    within("release", next.release()).await.unwrap();
+
+    // Renewals (the watchdog's PEXPIRE in a script): held across three leases.
+    let short = LockConfig::builder()
+        .lease(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let renewed = client(&url, "app", short);
+    let guard = within("acquire", renewed.lock("long").unwrap().try_acquire())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert!(
+        guard.is_held(),
+        "the watchdog renewed the lease as the ACL user"
+    );
+    assert!(within("release", guard.release()).await.unwrap());
+
+    let me = OwnerId::random();
+    let outer = within(
+        "reentrant",
+        c.reentrant("ledger", &me).unwrap().try_acquire(),
+    )
+    .await
+    .unwrap();
+    let inner = within(
+        "reentrant",
+        c.reentrant("ledger", &me).unwrap().try_acquire(),
+    )
+    .await
+    .unwrap();
+    within("release", inner.release()).await.unwrap();
+    within("release", outer.release()).await.unwrap();
+
+    let once = c.once("evt").unwrap();
+    let Begin::Acquired(guard) = within("begin", once.begin("t")).await.unwrap() else {
+        panic!("a fresh run-once lock is free")
+    };
+    within("complete", guard.complete(b"done")).await.unwrap();
+    assert!(
+        matches!(within("replay", once.begin("t")).await.unwrap(), Begin::Done(r) if &r[..] == b"done")
+    );
+
+    // And nothing outside the prefix: the same user cannot touch another prefix's locks.
+    let other = client(&url, "other", LockConfig::default());
+    let (field, reason) = refusal(within("prepare", other.prepare()).await);
+    assert_eq!(field, "acl", "{reason}");
+    assert!(reason.contains("keys"), "{reason}");
+}
+
+/// Captures what the lock logs.
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
+    type Writer = Logs;
+    fn make_writer(&'a self) -> Logs {
+        self.clone()
+    }
+}
+
+// One thread: the subscriber set for this test sees the notification task's warning.
+#[tokio::test(flavor = "current_thread")]
+async fn without_channel_rights_waiters_poll_after_one_warning() {
+    let logs = Logs::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(logs.clone())
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .finish();
+    let _default = tracing::subscriber::set_default(subscriber);
+
+    let server = RedisServer::start_owned().await;
+    let rules = distlock::acl_rules("app").replace("&app:*", "");
+    assert!(!rules.contains('&'), "no channel pattern left: {rules}");
+    let url = server.acl_user("nochannels", &rules).await;
+    let c = client(&url, "app", LockConfig::default());
+    within("prepare", c.prepare()).await.expect("prepare");
+    let lock = c.lock("job").unwrap();
+    for round in 0..3 {
+        let held = within("acquire", lock.try_acquire()).await.unwrap();
+        let waiter = tokio::spawn({
+            let lock = lock.clone();
+            async move { lock.acquire(Duration::from_secs(15)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            within("release", held.release()).await.unwrap(),
+            "round {round}: the release happened although its announcement was refused"
+        );
+        let next = within("the waiter polls", waiter).await.unwrap().unwrap();
+        within("release", next.release()).await.unwrap();
+    }
+    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let warnings = text.matches("notifications refused").count();
+    assert_eq!(warnings, 1, "one warning, not one per wait:\n{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_command_is_named_when_the_client_is_prepared() {
+    let server = RedisServer::start_owned().await;
+    let all = distlock::acl_rules("app");
+    for (refused, name) in [("-evalsha", "EVALSHA"), ("-script|load", "SCRIPT LOAD")] {
+        let user = format!("no{}", name.replace(' ', "").to_lowercase());
+        let url = server.acl_user(&user, &format!("{all} {refused}")).await;
+        let c = client(&url, "app", LockConfig::default());
+        let started = std::time::Instant::now();
+        let (field, reason) = refusal(within("prepare", c.prepare()).await);
+        assert_eq!(field, "acl", "{reason}");
+        assert!(reason.contains(name), "{refused} named: {reason}");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "a refusal is an answer, not a timeout"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_without_the_script_commands_is_named_when_the_client_is_prepared() {
+    // As managed services that disable scripting do: the command is gone (renamed away).
+    let server = RedisServer::start_with(
+        ServerOptions::default()
+            .arg("--rename-command")
+            .arg("EVALSHA")
+            .arg(""),
+    )
+    .await;
+    let c = client(&server.url(), "app", LockConfig::default());
+    let (field, reason) = refusal(within("prepare", c.prepare()).await);
+    assert_eq!(field, "commands", "{reason}");
+    assert!(reason.contains("EVALSHA"), "{reason}");
+}
