@@ -500,7 +500,7 @@ impl LockClientBuilder {
         for url in urls {
             let info = redis::IntoConnectionInfo::into_connection_info(url.as_ref())
                 .map_err(|e| ConfigError::invalid("url", format!("{:?}: {e}", url.as_ref())))?;
-            infos.push(info);
+            infos.push(crate::tls::quiet(info));
         }
         let Some(first) = urls.first() else {
             return Err(
@@ -526,7 +526,10 @@ impl LockClientBuilder {
             .map_err(|e| ConfigError::invalid("url", e.to_string()))?;
         let conn = match tokio::time::timeout(timeout * 4, cluster.get_async_connection()).await {
             Ok(Ok(conn)) => conn,
-            Ok(Err(e)) => return Err(crate::LockError::from_redis("(cluster)", false, e)),
+            Ok(Err(e)) => {
+                let error = crate::LockError::from_redis("(cluster)", false, e);
+                return Err(crate::refusal::explain(error, "redis cluster"));
+            }
             Err(_) => return Err(crate::LockError::timeout("(cluster)", false, timeout * 4)),
         };
         let describe = format!("redis cluster ({} nodes given)", urls.len());

@@ -147,10 +147,18 @@ pub(crate) fn is_tls(info: &redis::ConnectionInfo) -> bool {
     matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. })
 }
 
+/// `info` without redis-rs's `CLIENT SETINFO` on connecting: a command outside the lock's ACL
+/// rules (Redis 7.0 cannot even name it in a rule), whose refusal Valkey and Redis 7.2+ record
+/// in the ACL log on every connection.
+pub(crate) fn quiet(info: redis::ConnectionInfo) -> redis::ConnectionInfo {
+    let settings = info.redis_settings().clone().set_skip_set_lib_name();
+    info.set_redis_settings(settings)
+}
+
 /// A `redis::Client` for `url`, with `tls` applied to `rediss://` URLs.
 pub(crate) fn client(url: &str, tls: Option<&Tls>) -> Result<redis::Client, ConfigError> {
     let invalid = |e: redis::RedisError| ConfigError::invalid("url", format!("{url:?}: {e}"));
-    let info = redis::IntoConnectionInfo::into_connection_info(url).map_err(invalid)?;
+    let info = quiet(redis::IntoConnectionInfo::into_connection_info(url).map_err(invalid)?);
     if !is_tls(&info) {
         if tls.is_some() {
             return Err(ConfigError::invalid(

@@ -201,3 +201,45 @@ async fn a_server_without_the_script_commands_is_named_when_the_client_is_prepar
     assert_eq!(field, "commands", "{reason}");
     assert!(reason.contains("EVALSHA"), "{reason}");
 }
+
+/// The documented rules are all the lock's connections use: nothing they send is refused, so
+/// the server's ACL log (what a security audit reads) stays empty. (redis-rs sends
+/// `CLIENT SETINFO` on every new connection; Valkey and Redis 7.2+ would log its refusal, and
+/// Redis 7.0 cannot even name it in a rule.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lock_user_leaves_nothing_in_the_acl_log() {
+    let server = RedisServer::start_owned().await;
+    let url = server.acl_user("quiet", &distlock::acl_rules("app")).await;
+    let mut admin = server.connection().await;
+    let () = redis::cmd("ACL")
+        .arg("LOG")
+        .arg("RESET")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    for redlock in [false, true] {
+        let builder = LockClient::builder().prefix("app").unwrap();
+        let c = if redlock {
+            builder.connect_redlock(&[url.as_str()]).unwrap()
+        } else {
+            builder.connect(&url).unwrap()
+        };
+        within("prepare", c.prepare()).await.unwrap();
+        let lock = c.lock("job").unwrap();
+        let held = within("acquire", lock.try_acquire()).await.unwrap();
+        let waiter = tokio::spawn({
+            let lock = lock.clone();
+            async move { lock.acquire(Duration::from_secs(15)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        within("release", held.release()).await.unwrap();
+        let next = within("the waiter", waiter).await.unwrap().unwrap();
+        within("release", next.release()).await.unwrap();
+    }
+    let log: Vec<redis::Value> = redis::cmd("ACL")
+        .arg("LOG")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(log.is_empty(), "refusals in the ACL log: {log:?}");
+}

@@ -176,3 +176,43 @@ async fn tls_settings_for_a_plain_url_are_refused() {
             .is_err()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_over_tls() {
+    let ca = TestCa::new("cluster").unwrap();
+    let cluster = testkit::RedisCluster::start_tls(3, 0, &ca).await;
+    let client = within(
+        "a cluster connection over TLS",
+        LockClient::builder()
+            .prefix("tls-cluster")
+            .unwrap()
+            .tls(trusting(&ca))
+            .connect_cluster(&cluster.tls_urls()),
+    )
+    .await
+    .expect("connect to the cluster over TLS");
+    locks_work(&client).await;
+    // Names in every slot range: each master is reached over TLS.
+    for i in 0..20 {
+        let guard = within(
+            "acquire",
+            client.lock(&format!("job-{i}")).unwrap().try_acquire(),
+        )
+        .await
+        .unwrap();
+        within("release", guard.release()).await.unwrap();
+    }
+    // An untrusted CA: a clear error, not a hang.
+    let other = TestCa::new("cluster-other").unwrap();
+    let refused = within(
+        "a cluster connection with an untrusted CA",
+        LockClient::builder()
+            .tls(trusting(&other))
+            .connect_cluster(&cluster.tls_urls()),
+    )
+    .await;
+    assert!(
+        refused.is_err(),
+        "connected to a cluster it should not trust"
+    );
+}
