@@ -216,3 +216,29 @@ async fn redis_cluster_over_tls() {
         "connected to a cluster it should not trust"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_over_tls() {
+    let ca = TestCa::new("sentinel").unwrap();
+    let group = testkit::RedisSentinel::start_tls(1, &ca).await;
+    let sentinels = group.tls_sentinel_urls();
+    assert_eq!(sentinels.len(), 3);
+    let client = LockClient::builder()
+        .prefix("tls-sentinel")
+        .unwrap()
+        .tls(trusting(&ca))
+        .sentinel(&sentinels, testkit::SENTINEL_SERVICE)
+        .unwrap();
+    locks_work(&client).await;
+    // The master the sentinels name is its TLS port: the lock's key is there.
+    let guard = client.lock("held").unwrap().try_acquire().await.unwrap();
+    let mut master = group.servers()[0].connection().await;
+    let exists: bool = redis::cmd("EXISTS")
+        .arg("tls-sentinel:{held}")
+        .query_async(&mut master)
+        .await
+        .unwrap();
+    assert!(exists, "the lock is on the master");
+    assert_eq!(group.master_port().await, group.servers()[0].tls_port());
+    guard.release().await.unwrap();
+}
