@@ -131,9 +131,12 @@
 //! and Sentinel ([`LockClientBuilder::sentinel`]; the master too, or as
 //! [`sentinel::SentinelConnectionBuilder::master_tls`] says). The system's roots are trusted
 //! unless [`LockClientBuilder::tls`] gives a private CA; it also gives the client certificate for
-//! mutual TLS. A failed handshake (an untrusted CA, a name mismatch, a missing client
-//! certificate) is a [`ConfigError`] from [`LockClient::prepare`], and an `Unavailable` error
-//! within the command timeout from any lock operation: never a hang.
+//! mutual TLS. A server the client cannot trust (an untrusted CA, a name mismatch) is a
+//! [`ConfigError`] from [`LockClient::prepare`] naming the TLS failure, and an `Unavailable`
+//! error within the command timeout from any lock operation: never a hang. A server that
+//! refuses the client's certificate (mutual TLS) says so with an alert, which TLS 1.3 delivers
+//! after the client's side of the handshake: the client sees it, or only the closed
+//! connection when its first command was already on the way.
 //!
 //! # ACL
 //!

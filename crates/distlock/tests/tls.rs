@@ -96,10 +96,16 @@ async fn mutual_tls_needs_the_client_certificate() {
         .tls(trusting(&ca))
         .connect(&server.tls_url())
         .unwrap();
-    // The server refuses the handshake without a client certificate.
-    let refused = within("prepare without a certificate", anonymous.prepare()).await;
-    let reason = assert_tls_config_error(refused);
-    assert!(reason.to_lowercase().contains("certificate"), "{reason}");
+    // The server refuses a client without a certificate. (With TLS 1.3 the client learns it
+    // after its side of the handshake: from the server's alert, a TLS error, or, when its
+    // first command was already on the way, from the closed connection.)
+    match within("prepare without a certificate", anonymous.prepare()).await {
+        Err(LockError::Config(ConfigError::Invalid { field, reason })) => {
+            assert_eq!(field, "tls", "{reason}");
+        }
+        Err(e) => assert!(e.is_unavailable(), "{e:?}"),
+        Ok(()) => panic!("a client without a certificate got in"),
+    }
 
     let identified = LockClient::builder()
         .tls(
