@@ -166,6 +166,17 @@ async fn fill(browser: &Client, name: &str, phone: &str) {
     }
 }
 
+/// One click on the form's button (returns at once: pages load without waiting).
+async fn click_submit(browser: &Client) {
+    browser
+        .find(Locator::Css("#submit"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+}
+
 async fn form_key(browser: &Client) -> String {
     browser
         .find(Locator::Css("input[name=idempotency_key]"))
@@ -269,13 +280,7 @@ async fn a_double_click_two_tabs_and_a_resubmission_each_create_one_account() {
     browser.back().await.unwrap();
     wait_for_page(&browser, "the form after going back", Some("/")).await;
     fill(&browser, "Ada Lovelace", "+15550100").await;
-    browser
-        .find(Locator::Css("#submit"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click_submit(&browser).await;
     let again = wait_for_page(&browser, "the account page after resubmitting", None).await;
     assert_eq!(again, result, "the resubmission landed on the same account");
     assert_eq!(text(&browser, "#count").await, "1");
@@ -303,21 +308,9 @@ async fn a_double_click_two_tabs_and_a_resubmission_each_create_one_account() {
     fill(&browser, "Grace Hopper", "+15550199").await;
     let before_tabs = posts.load(Ordering::SeqCst);
     // Both submissions are in flight together: clicks return at once (no page-load wait).
-    browser
-        .find(Locator::Css("#submit"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click_submit(&browser).await;
     browser.switch_to_window(first_tab.clone()).await.unwrap();
-    browser
-        .find(Locator::Css("#submit"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click_submit(&browser).await;
     let in_first = wait_for_page(&browser, "the account page in the first tab", None).await;
     browser.switch_to_window(second_tab).await.unwrap();
     let in_second = wait_for_page(&browser, "the account page in the second tab", None).await;

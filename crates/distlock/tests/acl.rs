@@ -243,3 +243,42 @@ async fn the_lock_user_leaves_nothing_in_the_acl_log() {
         .unwrap();
     assert!(log.is_empty(), "refusals in the ACL log: {log:?}");
 }
+
+/// Every `ACL SETUSER` line the documentation shows is exactly what `acl_rules` gives (and so
+/// what these tests run under).
+#[test]
+fn the_documented_acl_lines_are_the_tested_rules() {
+    let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let files = [
+        here.join("README.md"),
+        here.join("src/lib.rs"),
+        here.join("../../README.md"),
+        here.join("../../src/lib.rs"),
+    ];
+    let mut seen = 0;
+    for file in &files {
+        let text =
+            std::fs::read_to_string(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        for line in text.lines().filter(|l| l.contains("ACL SETUSER")) {
+            let Some((_, rules)) = line.split_once(">PASSWORD ") else {
+                continue;
+            };
+            let rules = rules.trim_end_matches('.');
+            if rules.ends_with("...") {
+                continue;
+            }
+            let prefix = rules
+                .split_whitespace()
+                .find_map(|r| r.strip_prefix('~')?.strip_suffix(":*"))
+                .unwrap_or_else(|| panic!("no key pattern in {}: {line}", file.display()));
+            assert_eq!(
+                rules,
+                distlock::acl_rules(prefix),
+                "{} documents other rules",
+                file.display()
+            );
+            seen += 1;
+        }
+    }
+    assert!(seen >= 4, "the ACL line is documented in each file: {seen}");
+}
