@@ -282,3 +282,59 @@ fn the_documented_acl_lines_are_the_tested_rules() {
     }
     assert!(seen >= 4, "the ACL line is documented in each file: {seen}");
 }
+
+/// Through Sentinel, the master is reached as the ACL user (its credentials are separate from
+/// the sentinels'), with the documented rules: `ROLE` lets the client check the master it is
+/// given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_master_as_the_acl_user() {
+    use distlock::sentinel::SentinelConnection;
+    let group = testkit::RedisSentinel::start(1).await;
+    let rules = distlock::acl_rules("app");
+    // ACL users belong to each server: every server a failover may promote has the user.
+    let mut url = String::new();
+    for server in group.servers() {
+        url = server.acl_user("locks", &rules).await;
+    }
+    let info = redis::IntoConnectionInfo::into_connection_info(url.as_str()).unwrap();
+    let password = info.redis_settings().password().unwrap().to_owned();
+    let client = LockClient::builder()
+        .prefix("app")
+        .unwrap()
+        .sentinel_with(
+            SentinelConnection::builder(&group.sentinel_urls(), testkit::SENTINEL_SERVICE)
+                .master_auth(Some("locks"), &password),
+        )
+        .unwrap();
+    within("prepare through the sentinels", client.prepare())
+        .await
+        .expect("the master answers the ACL user");
+    let lock = client.lock("job").unwrap();
+    let guard = within("acquire", lock.try_acquire()).await.unwrap();
+    let mut master = group.servers()[0].connection().await;
+    let clients: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(&mut master)
+        .await
+        .unwrap();
+    assert!(
+        clients.lines().any(|l| l.contains(" user=locks ")),
+        "the lock's connection is the ACL user's: {clients}"
+    );
+    assert!(within("release", guard.release()).await.unwrap());
+
+    // With a wrong password the master refuses, and prepare says so.
+    let wrong = LockClient::builder()
+        .prefix("app")
+        .unwrap()
+        .sentinel_with(
+            SentinelConnection::builder(&group.sentinel_urls(), testkit::SENTINEL_SERVICE)
+                .master_auth(Some("locks"), "wrong"),
+        )
+        .unwrap();
+    assert!(
+        within("prepare with a wrong password", wrong.prepare())
+            .await
+            .is_err()
+    );
+}
