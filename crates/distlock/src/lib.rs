@@ -159,7 +159,11 @@
 //!   7's default is `acl-pubsub-default resetchannels`) the lock warns once and waiters poll;
 //!   releases and completions are unaffected (scripts publish with `redis.pcall`).
 //! * **Not needed**: `EVAL`, `SCRIPT FLUSH`, `CONFIG`, `DEBUG`, `INFO`, `KEYS`, `SCAN`, `FLUSH*`,
-//!   `CLIENT` (redis-rs sends `CLIENT SETINFO` when it connects and ignores a refusal).
+//!   `CLIENT`. The connections this crate opens do not send redis-rs's `CLIENT SETINFO`
+//!   (Valkey and Redis 7.2+ would log its refusal in the ACL log; Redis 7.0 does not know the
+//!   command). Connections you build yourself, and those redis-rs opens through Sentinel, still
+//!   send it and ignore the refusal: on Valkey or Redis 7.2+ add `+client|setinfo` to keep the
+//!   ACL log quiet.
 //!
 //! Managed services often forbid `CONFIG`, `DEBUG` and `SCRIPT FLUSH` (the lock uses none of
 //! them), and some refuse or rename `EVAL`/`EVALSHA`/`SCRIPT`. The lock cannot work without
