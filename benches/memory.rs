@@ -84,6 +84,8 @@ fn spawn_example(redis: Option<&str>, layer: bool) -> (Child, SocketAddr) {
     cmd.env("BIND", format!("127.0.0.1:{port}"))
         .env("RUST_LOG", "warn")
         .env("IDEMPOTENCY", if layer { "on" } else { "off" })
+        // Else the example prints a notice before its banner (memory) or refuses (Redis).
+        .env("IDEMPOTENCY_SECRET", "memory bench secret, 32 bytes or so")
         .stdout(Stdio::piped());
     match redis {
         Some(url) => cmd.env("REDIS_URL", url),

@@ -386,7 +386,7 @@ impl IdempotencyLayerBuilder {
     /// With it, nothing in the store can be computed or forged without it: the store name of a
     /// key and the request fingerprint are HMAC-SHA256 under keys derived from it, and each
     /// record is sealed with AES-256-GCM under a key derived from it, the raw idempotency key
-    /// and its scope ([`secret`](crate::secret)). Without it the same derivations run with an
+    /// and its scope (see the `secret` module). Without it the same derivations run with an
     /// empty secret: raw input still never reaches the store, but names and fingerprints of
     /// guessable keys (a phone number) can be recovered by enumeration, and whoever knows a key
     /// can open or forge its record. Keys read from the request body (a phone number, an
