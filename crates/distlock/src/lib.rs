@@ -148,7 +148,7 @@
 //! rules for any prefix:
 //!
 //! ```text
-//! ACL SETUSER locks on >PASSWORD resetkeys ~myapp:* resetchannels &myapp:* -@all +evalsha +script|load +get +set +del +pexpire +pttl +type +hget +hset +hdel +hexists +hincrby +hlen +publish +subscribe +unsubscribe +wait +role +cluster|slots
+//! ACL SETUSER locks on >PASSWORD resetkeys ~myapp:* resetchannels &myapp:* -@all +evalsha +script|load +get +set +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex +llen +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots
 //! ```
 //!
 //! * **Commands**: `EVALSHA` for every operation, `SCRIPT LOAD` when the server lacks a script
