@@ -43,11 +43,14 @@ fn app(variant: &str) -> Router {
             .build()
             .unwrap()
     };
-    match variant {
+    let app = match variant {
         "none" => routes,
         "inline" => routes.layer(layer(true)),
         _ => routes.layer(layer(false)),
-    }
+    };
+    // What `axum::serve` does once (`into_make_service`): routes become services, the layer is
+    // applied once, not per request.
+    app.with_state(())
 }
 
 fn request(key: &str) -> Request<Body> {
