@@ -4,13 +4,19 @@
 //! (the execution driven inline instead of spawned, which isolates what detaching costs).
 //!
 //! ```sh
+//! cargo bench --bench layer -- --ratios                  # per-round ratios against no layer
 //! cargo bench --bench layer                              # criterion: time per request
 //! cargo bench --bench layer -- --profile execute 20000   # a fixed run, for callgrind/perf
 //!                                                        # (execute, replay, inline, none, full):
 //! valgrind --tool=callgrind target/release/deps/layer-* --profile execute 20000
 //! ```
 
+mod common;
+
 use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use common::Series;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::Router;
@@ -126,6 +132,84 @@ fn layer(c: &mut Criterion) {
 
 criterion_group!(benches, layer);
 
+/// Time per request (µs) of `app` over `window`, keys from `key`.
+async fn per_request(app: &Router, window: Duration, mut key: impl FnMut() -> String) -> f64 {
+    let started = Instant::now();
+    let mut n = 0u64;
+    while started.elapsed() < window {
+        for _ in 0..100 {
+            black_box(one(app, &key()).await);
+        }
+        n += 100;
+    }
+    started.elapsed().as_secs_f64() * 1e6 / n as f64
+}
+
+/// Rounds of: no layer, then each variant, back to back; the layer's added time per request
+/// and throughput ratios, min / median / max over the rounds.
+fn ratios(mode: common::Mode) {
+    let rt = runtime();
+    rt.block_on(async {
+        let none = app("none");
+        let full = app("detached");
+        fill_store(&full, FILL).await;
+        let replay = app("detached");
+        one(&replay, "stored").await;
+        let mut counter = 0u64;
+        let mut fresh = move || {
+            counter += 1;
+            format!("k-{counter}")
+        };
+        let (mut t_none, mut t_empty, mut t_full, mut t_replay) = (
+            Series::default(),
+            Series::default(),
+            Series::default(),
+            Series::default(),
+        );
+        for _ in 0..mode.rounds {
+            // A new store per round: "empty" is a store filling up from nothing.
+            let empty = app("detached");
+            per_request(&none, mode.warmup, &mut fresh).await;
+            t_none.push(per_request(&none, mode.window, &mut fresh).await);
+            t_empty.push(per_request(&empty, mode.window, &mut fresh).await);
+            per_request(&full, mode.warmup, &mut fresh).await;
+            t_full.push(per_request(&full, mode.window, &mut fresh).await);
+            t_replay.push(per_request(&replay, mode.window, || "stored".to_owned()).await);
+        }
+        let added = |t: &Series| Series(t.0.iter().zip(&t_none.0).map(|(a, b)| a - b).collect());
+        let fmt_us = |s: &Series| format!("{:.2} / {:.2} / {:.2} µs", s.min(), s.median(), s.max());
+        println!(
+            "\n## The layer in process ({} rounds of {} ms; {})\n",
+            mode.rounds,
+            mode.window.as_millis(),
+            common::machine()
+        );
+        common::row(&[
+            "variant",
+            "time per request",
+            "added by the layer",
+            "throughput / no layer",
+        ]);
+        common::row(&["---", "---", "---", "---"]);
+        common::row(&["no layer", &fmt_us(&t_none), "", "1"]);
+        for (name, t) in [
+            ("execute, store filling from empty", &t_empty),
+            (
+                "execute, full store (100,000 entries, each new key evicts one)",
+                &t_full,
+            ),
+            ("replay", &t_replay),
+        ] {
+            common::row(&[
+                name,
+                &fmt_us(t),
+                &fmt_us(&added(t)),
+                &t_none.ratio(t).fmt_ratio(),
+            ]);
+        }
+    });
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if let Some(at) = args.iter().position(|a| a == "--profile") {
@@ -156,6 +240,12 @@ fn main() {
                 black_box(one(&app, &key).await);
             }
         });
+        return;
+    }
+    let mode = common::Mode::from_args();
+    // `cargo test` (no `--bench`) runs the ratio rounds once, briefly, to prove they work.
+    if args.iter().any(|a| a == "--ratios") || !mode.full {
+        ratios(mode);
         return;
     }
     benches();

@@ -89,9 +89,20 @@ pub(crate) async fn tee<B, E>(
     let status = parts.status;
     let headers = parts.headers.clone();
     let (mut feed, live) = Feed::channel();
-    let _ = reply.send(Finished::Response(Response::from_parts(parts, live)));
-    // What was read goes to the client before anything waits on the store.
+    // What was read goes to the client before anything waits on the store; what fits in the
+    // feed is queued before the head is handed over, so that the client's first read of the
+    // body finds it (the head and the first frames leave in one write, as without the layer).
+    let mut queued = 0;
     for frame in &early {
+        if let Some(message) = copy(frame)
+            && feed.try_send(message).is_err()
+        {
+            break;
+        }
+        queued += 1;
+    }
+    let _ = reply.send(Finished::Response(Response::from_parts(parts, live)));
+    for frame in &early[queued..] {
         forward(&mut feed, frame).await;
     }
     let mut sink = Sink::open(&run, status, &headers, keep).await;
@@ -140,12 +151,19 @@ pub(crate) async fn tee<B, E>(
 
 /// Sends a frame to the client (a copy of its handle: the data is shared).
 async fn forward(feed: &mut Feed, frame: &Frame<Bytes>) {
+    if let Some(message) = copy(frame) {
+        feed.send(message).await;
+    }
+}
+
+/// A frame for the client (the data shares its bytes with the frame kept for the store).
+fn copy(frame: &Frame<Bytes>) -> Option<Message> {
     let copy = match (frame.data_ref(), frame.trailers_ref()) {
         (Some(data), _) => Frame::data(data.clone()),
         (None, Some(trailers)) => Frame::trailers(trailers.clone()),
-        (None, None) => return,
+        (None, None) => return None,
     };
-    feed.send(Message::Frame(copy)).await;
+    Some(Message::Frame(copy))
 }
 
 /// Where the body goes for the record.

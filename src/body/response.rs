@@ -46,6 +46,20 @@ impl Feed {
         (Feed { tx: Some(tx) }, body)
     }
 
+    /// Queues a message if there is room at once; gives it back if there is none. (A client
+    /// gone away counts as room: the message is dropped.)
+    pub(crate) fn try_send(&mut self, message: Message) -> Result<(), Message> {
+        let Some(tx) = &self.tx else { return Ok(()) };
+        match tx.try_send(message) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full(message)) => Err(message),
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                self.tx = None;
+                Ok(())
+            }
+        }
+    }
+
     /// Sends a message; returns whether the client is still there.
     pub(crate) async fn send(&mut self, message: Message) -> bool {
         if let Some(tx) = &self.tx
