@@ -144,10 +144,12 @@ fn serve(variant: &str, redis_url: &str) {
 struct Server {
     child: Child,
     addr: SocketAddr,
+    /// The Redis or Valkey process its store talks to, if it has one.
+    store_pid: Option<u32>,
 }
 
 impl Server {
-    fn start(variant: &str, redis_url: &str) -> Server {
+    fn start(variant: &str, redis_url: &str, store_pid: Option<u32>) -> Server {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args(["--serve", variant, redis_url])
             .stdin(Stdio::piped())
@@ -159,7 +161,11 @@ impl Server {
             .read_line(&mut port)
             .unwrap();
         let addr = format!("127.0.0.1:{}", port.trim()).parse().unwrap();
-        Server { child, addr }
+        Server {
+            child,
+            addr,
+            store_pid,
+        }
     }
 
     /// User + system CPU time of the server process so far.
@@ -236,6 +242,8 @@ struct Load {
     p50_us: f64,
     p99_us: f64,
     cpu_us_per_request: f64,
+    /// CPU time of the Redis or Valkey process per request, for the variants with one.
+    store_cpu_us_per_request: Option<f64>,
 }
 
 /// Closed-loop load at `CONCURRENCY` for the mode's window after its warm-up.
@@ -287,17 +295,23 @@ async fn load(
     }
     tokio::time::sleep_until(measure_from.into()).await;
     *cpu_before.lock().unwrap() = Some(server.cpu());
+    let store_cpu = || server.store_pid.map(|pid| process_cpu(&pid.to_string()));
+    let store_before = store_cpu();
     let mut latencies = Vec::new();
     for w in workers {
         latencies.extend(w.await.unwrap());
     }
     let cpu = server.cpu() - cpu_before.lock().unwrap().unwrap();
+    let store = store_cpu()
+        .zip(store_before)
+        .map(|(after, before)| after - before);
     let n = latencies.len() as f64;
     Load {
         throughput: n / mode.window.as_secs_f64(),
         p50_us: percentile_us(&mut latencies, 50.0),
         p99_us: percentile_us(&mut latencies, 99.0),
         cpu_us_per_request: cpu.as_secs_f64() * 1e6 / n,
+        store_cpu_us_per_request: store.map(|d| d.as_secs_f64() * 1e6 / n),
     }
 }
 
@@ -500,6 +514,7 @@ struct Figures {
     p50: Series,
     p99: Series,
     cpu: Series,
+    store_cpu: Series,
 }
 
 fn main() {
@@ -536,11 +551,16 @@ async fn drive(mode: Mode) {
     let valkey = Valkey::start().await;
     let servers: Vec<(&str, Server)> = ["none", "memory", "redis", "peer"]
         .into_iter()
-        .map(|v| (v, Server::start(v, &url)))
+        .map(|v| {
+            (
+                v,
+                Server::start(v, &url, redis.pid().filter(|_| v == "redis")),
+            )
+        })
         .chain(
             ["valkey", "peer-valkey"]
                 .into_iter()
-                .map(|v| (v, Server::start(v, &valkey.url))),
+                .map(|v| (v, Server::start(v, &valkey.url, Some(valkey.child.id())))),
         )
         .collect();
     let server = |name: &str| &servers.iter().find(|(n, _)| *n == name).unwrap().1;
@@ -631,6 +651,9 @@ async fn drive(mode: Mode) {
             figures[i].p50.push(l.p50_us);
             figures[i].p99.push(l.p99_us);
             figures[i].cpu.push(l.cpu_us_per_request);
+            if let Some(c) = l.store_cpu_us_per_request {
+                figures[i].store_cpu.push(c);
+            }
         }
     }
 
@@ -646,8 +669,9 @@ async fn drive(mode: Mode) {
         "p50",
         "p99",
         "server CPU per request",
+        "Redis/Valkey CPU per request",
     ]);
-    row(&["---", "---", "---", "---", "---"]);
+    row(&["---", "---", "---", "---", "---", "---"]);
     let label = |(name, path): &(&str, Path)| {
         let who = match *name {
             "none" => "no layer",
@@ -674,6 +698,11 @@ async fn drive(mode: Mode) {
             &format!("{:.0} µs", f.p50.median()),
             &format!("{:.0} µs", f.p99.median()),
             &format!("{:.1} µs", f.cpu.median()),
+            &if f.store_cpu.0.is_empty() {
+                "—".to_owned()
+            } else {
+                format!("{:.1} µs", f.store_cpu.median())
+            },
         ]);
     }
     println!(
@@ -726,6 +755,19 @@ async fn drive(mode: Mode) {
         "throughput: ours (Redis) / axum-idempotent (Redis), both on Valkey, replay",
         &t("valkey", Path::Replay)
             .ratio(t("peer-valkey", Path::Replay))
+            .fmt_ratio(),
+    ]);
+    let sc = |name, path| &figures[idx(name, path)].store_cpu;
+    row(&[
+        "Valkey CPU per request: ours / axum-idempotent (Redis), execute",
+        &sc("valkey", Path::Execute)
+            .ratio(sc("peer-valkey", Path::Execute))
+            .fmt_ratio(),
+    ]);
+    row(&[
+        "Valkey CPU per request: ours / axum-idempotent (Redis), replay",
+        &sc("valkey", Path::Replay)
+            .ratio(sc("peer-valkey", Path::Replay))
             .fmt_ratio(),
     ]);
     row(&[
