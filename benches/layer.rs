@@ -166,12 +166,15 @@ fn ratios(mode: common::Mode) {
             Series::default(),
             Series::default(),
         );
+        let mut t_inline = Series::default();
         for _ in 0..mode.rounds {
             // A new store per round: "empty" is a store filling up from nothing.
             let empty = app("detached");
             per_request(&none, mode.warmup, &mut fresh).await;
             t_none.push(per_request(&none, mode.window, &mut fresh).await);
             t_empty.push(per_request(&empty, mode.window, &mut fresh).await);
+            let inline = app("inline");
+            t_inline.push(per_request(&inline, mode.window, &mut fresh).await);
             per_request(&full, mode.warmup, &mut fresh).await;
             t_full.push(per_request(&full, mode.window, &mut fresh).await);
             t_replay.push(per_request(&replay, mode.window, || "stored".to_owned()).await);
@@ -195,6 +198,10 @@ fn ratios(mode: common::Mode) {
         for (name, t) in [
             ("execute, store filling from empty", &t_empty),
             (
+                "execute, store filling from empty, cancel_on_disconnect (never detached)",
+                &t_inline,
+            ),
+            (
                 "execute, full store (100,000 entries, each new key evicts one)",
                 &t_full,
             ),
@@ -207,6 +214,18 @@ fn ratios(mode: common::Mode) {
                 &t_none.ratio(t).fmt_ratio(),
             ]);
         }
+        let detachable = Series(
+            t_empty
+                .0
+                .iter()
+                .zip(&t_inline.0)
+                .map(|(a, b)| a - b)
+                .collect(),
+        );
+        println!(
+            "\nWhat being detachable costs (execute minus cancel_on_disconnect): {}",
+            fmt_us(&detachable)
+        );
     });
 }
 
