@@ -1,5 +1,7 @@
 //! Signup service: one account per phone number, however often and on however many instances
-//! the form is submitted.
+//! the form is submitted. Open http://127.0.0.1:3000/ in a browser for the HTML form (each
+//! render carries its own idempotency key in a hidden field; a double-click, the back button and
+//! a resubmission, or a second tab all end on the one account's page), or use the JSON API.
 //!
 //! ```sh
 //! cargo run --example signup                                 # in-memory store, 127.0.0.1:3000
@@ -46,7 +48,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     );
     println!(
-        "try: curl -i -X POST http://{}/signup -H 'content-type: application/json' -d '{{\"phone\":\"+15550100\",\"name\":\"Ada\"}}'",
+        "open http://{}/ in a browser and double-click \"Sign up\"",
+        listener.local_addr()?
+    );
+    println!(
+        "or:  curl -i -X POST http://{}/signup -H 'content-type: application/json' -d '{{\"phone\":\"+15550100\",\"name\":\"Ada\"}}'",
         listener.local_addr()?
     );
     axum::serve(listener, app)

@@ -176,9 +176,14 @@ where
     let tag = Bytes::copy_from_slice(&fingerprint);
     let started = Instant::now();
     let mut began = once.begin(tag.clone()).await;
-    if let (OnConflict::Wait(wait), Ok(Begin::InFlight { tag: theirs, .. })) =
-        (config.on_conflict, &began)
+    let wait = match config.on_conflict {
+        OnConflict::Wait(wait) => wait,
+        // The first request may have answered and be storing its outcome: wait for it briefly.
+        _ => config.completion_grace,
+    };
+    if let Ok(Begin::InFlight { tag: theirs, .. }) = &began
         && theirs[..] == fingerprint[..]
+        && !wait.is_zero()
     {
         // Boxed: waiting is the rare path; it should not grow every request's future.
         began = Box::pin(once.begin_wait(tag, wait)).await;

@@ -2,6 +2,9 @@
 //! lease is still ours), or release without storing. A small response is stored whole; a
 //! streamed one was appended part by part ([`crate::tee`]) and is ended here.
 
+use std::future::{Future, poll_fn};
+use std::pin::pin;
+use std::task::Poll;
 use std::time::Instant;
 
 use distlock::LockError;
@@ -47,6 +50,18 @@ pub(crate) async fn response(
     body: Option<&[u8]>,
     trailers: Option<&HeaderMap>,
 ) {
+    let record = whole(&run, status, headers, body, trailers);
+    store(run, &record, Event::Executed).await;
+}
+
+/// The sealed record of a final response stored whole.
+pub(crate) fn whole(
+    run: &Run,
+    status: StatusCode,
+    headers: &HeaderMap,
+    body: Option<&[u8]>,
+    trailers: Option<&HeaderMap>,
+) -> Vec<u8> {
     let kind = match body {
         Some(_) => Kind::Response,
         None => {
@@ -58,12 +73,11 @@ pub(crate) async fn response(
         }
     };
     let vary = negotiated(headers, &run.negotiated);
-    let record = run.sealer().seal_whole(
+    run.sealer().seal_whole(
         &run.head(kind, status, headers, &vary),
         body.unwrap_or_default(),
         body.and(trailers),
-    );
-    store(run, &record, Event::Executed).await;
+    )
 }
 
 /// Ends a streamed record (its head and chunks were appended): whether the body was kept, its
@@ -177,9 +191,24 @@ pub(crate) async fn release(run: Box<Run>, event: Event) {
 }
 
 async fn store(run: Box<Run>, record: &[u8], event: Event) {
+    store_then(run, record, event, || {}).await;
+}
+
+/// Stores `record` (completing the run) and calls `sent` as soon as the store command is on its
+/// way (sent to the store, or already answered): the response can go to the client while the
+/// store answers, the lease keeping the key until then. A command sent before the response goes
+/// out is ahead of any command the client's retry can cause on this instance's connection.
+pub(crate) async fn store_then(run: Box<Run>, record: &[u8], event: Event, sent: impl FnOnce()) {
     let started = Instant::now();
     let fence = run.guard.fence();
-    let event = match run.guard.complete(record).await {
+    let mut completing = pin!(run.guard.complete(record));
+    let first = poll_fn(|cx| Poll::Ready(completing.as_mut().poll(cx))).await;
+    sent();
+    let stored = match first {
+        Poll::Ready(stored) => stored,
+        Poll::Pending => completing.await,
+    };
+    let event = match stored {
         Ok(()) => event,
         Err(LockError::LeaseLost { reason, .. }) => {
             tracing::warn!(fence, %reason, "idempotency: lease lost while the handler ran; outcome NOT stored");

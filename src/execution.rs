@@ -1,27 +1,32 @@
 //! The protected execution: the handler, its response body and the storing of its outcome, run
-//! to their end in a task of their own.
+//! to their end whatever happens to the client.
 //!
 //! Once the handler has been called under a lease, the client going away (hyper drops the
 //! response future when the connection closes; a `TimeoutLayer` outside the layer; an HTTP/2
 //! stream reset) must not cancel it: a cancelled handler may have committed its work, and a
-//! released key lets the client's retry run it again. So the service spawns the protected part
-//! and the response future only awaits its result: dropping the response future (or the
-//! response body) detaches from the execution, which goes on, stores the outcome, and leaves
-//! the replay for the retry.
+//! released key lets the client's retry run it again. The execution is an [`Execution`]: the
+//! response future drives it (no task, no channel hop: the handler runs where it would run
+//! without the layer), then the response body while the client reads a streamed response, and
+//! whoever drops it before its end hands it to a task of its own, where it goes on, stores the
+//! outcome, and leaves the replay for the retry.
 //!
 //! The response head is handed to the client as soon as the handler returns it; a final
-//! response's body goes to the client and into the store through [`crate::tee`].
+//! response's body goes to the client and into the store through [`crate::tee`]. A whole body
+//! goes out as soon as its record is on its way to the store (the store command sent, not yet
+//! answered): the client does not wait for the completion round trip, while the lease keeps
+//! the key until the record is stored (a duplicate arriving meanwhile waits for it, see
+//! [`crate::begin`]).
 //!
-//! With [`cancel_on_disconnect`](crate::IdempotencyLayerBuilder::cancel_on_disconnect) nothing
-//! is spawned: the response future drives the execution until the head is known, then hands
-//! it to the response body, which drives it while the client reads. The client going away
-//! drops it: the handler is cancelled and the key released (for handlers known to be
-//! cancel-safe).
+//! With [`cancel_on_disconnect`](crate::IdempotencyLayerBuilder::cancel_on_disconnect), the
+//! client going away before the handler has returned (or while a streamed body is being sent)
+//! cancels the execution: the handler is dropped and the key released (for handlers known to be
+//! cancel-safe). Once a whole response is ready, its storing is never cancelled.
 
 use std::any::Any;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
+use std::task::Context;
 
 use futures_util::FutureExt;
 use http::Response;
@@ -48,18 +53,77 @@ pub(crate) enum Finished<B, E> {
     Panic(Box<dyn Any + Send>),
 }
 
-/// An execution driven by whoever holds it (not spawned): dropping it cancels it.
+/// A future driven by whoever holds it.
 pub(crate) type Driver = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-/// A started execution: its result, and its driver when it runs inline.
-pub(crate) struct Started<B, E> {
-    pub(crate) result: oneshot::Receiver<Finished<B, E>>,
-    pub(crate) driver: Option<Driver>,
+/// A future driven by whoever holds it (the response future, then the response body). Dropped
+/// before its end it is either spawned, to run on in a task of its own (detached), or cancelled.
+pub(crate) struct Execution {
+    driver: Option<Driver>,
+    /// Where it goes on when dropped before its end; `None`: dropping it cancels it.
+    detach: Option<tokio::runtime::Handle>,
 }
 
-/// Starts the execution of `future` (the handler, just called) under `run`'s lease: spawned
-/// (the default), or inline for `cancel_on_disconnect`. `None` when it should be spawned and
-/// there is no Tokio runtime (the future is dropped unpolled; the lease is released).
+impl Execution {
+    /// A future that dropping cancels (a replay's reading, a `cancel_on_disconnect` execution).
+    pub(crate) fn cancellable(driver: Driver) -> Self {
+        Execution {
+            driver: Some(driver),
+            detach: None,
+        }
+    }
+
+    /// Polls it; returns whether it has ended.
+    pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> bool {
+        if let Some(driver) = &mut self.driver
+            && driver.as_mut().poll(cx).is_ready()
+        {
+            self.driver = None;
+        }
+        self.driver.is_none()
+    }
+
+    /// Whether dropping it before its end lets it go on.
+    pub(crate) fn is_detached(&self) -> bool {
+        self.detach.is_some()
+    }
+
+    /// From now on it is never cancelled: dropped before its end, it goes on in a task of its
+    /// own (on the current runtime, if there is one).
+    pub(crate) fn detach(&mut self) {
+        if self.detach.is_none() && self.driver.is_some() {
+            self.detach = tokio::runtime::Handle::try_current().ok();
+        }
+    }
+}
+
+impl Drop for Execution {
+    fn drop(&mut self) {
+        if let (Some(driver), Some(runtime)) = (self.driver.take(), self.detach.take()) {
+            runtime.spawn(driver);
+        }
+    }
+}
+
+impl std::fmt::Debug for Execution {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Execution")
+            .field("ended", &self.driver.is_none())
+            .field("detached", &self.detach.is_some())
+            .finish()
+    }
+}
+
+/// A started execution: its result, and the execution to drive.
+pub(crate) struct Started<B, E> {
+    pub(crate) result: oneshot::Receiver<Finished<B, E>>,
+    pub(crate) execution: Execution,
+}
+
+/// Starts the execution of `future` (the handler, just called) under `run`'s lease: detached
+/// (the default: dropped, it runs on in a task of its own), or cancellable for
+/// `cancel_on_disconnect`. `None` when it should be detached and there is no Tokio runtime to
+/// run it on (the future is dropped unpolled; the lease is released).
 pub(crate) fn start<F, B, E>(future: F, run: Box<Run>) -> Option<Started<B, E>>
 where
     F: Future<Output = Result<Response<B>, E>> + Send + 'static,
@@ -69,29 +133,24 @@ where
     E: Send + 'static,
 {
     let (reply, result) = oneshot::channel();
-    let inline = run.config.cancel_on_disconnect;
+    let detach = if run.config.cancel_on_disconnect {
+        None
+    } else {
+        Some(tokio::runtime::Handle::try_current().ok()?)
+    };
     let span = run.span.clone();
     let execution = execute(future, run, reply);
-    if inline {
-        let driver: Driver = if span.is_disabled() {
-            Box::pin(execution)
-        } else {
-            Box::pin(execution.instrument(span))
-        };
-        return Some(Started {
-            result,
-            driver: Some(driver),
-        });
-    }
-    let runtime = tokio::runtime::Handle::try_current().ok()?;
-    if span.is_disabled() {
-        runtime.spawn(execution);
+    let driver: Driver = if span.is_disabled() {
+        Box::pin(execution)
     } else {
-        runtime.spawn(execution.instrument(span));
-    }
+        Box::pin(execution.instrument(span))
+    };
     Some(Started {
         result,
-        driver: None,
+        execution: Execution {
+            driver: Some(driver),
+            detach,
+        },
     })
 }
 

@@ -6,9 +6,10 @@
 //!     │ run (lease taken, or unprotected)
 //!     ▼
 //! Calling (inner service ready? then call it) ──(unprotected)──▶ Unprotected ─▶ Done
-//!     │ protected: the execution is spawned
+//!     │ protected: the execution starts
 //!     ▼
-//! Running (await the execution's head; dropping this detaches, never cancels) ──▶ Done
+//! Running (drive the execution until its head is known; dropping this detaches it, never
+//!          cancels it, unless `cancel_on_disconnect`) ──▶ Done (the body drives what is left)
 //! ```
 //!
 //! The inner service is asked for readiness only once the handler is about to be called, so
@@ -29,7 +30,7 @@ use tower_service::Service;
 use crate::Rejection;
 use crate::begin::{Decision, Run};
 use crate::body::{BoxError, RequestBody, ResponseBody};
-use crate::execution::{self, Driver, Finished, Started};
+use crate::execution::{self, Execution, Finished, Started};
 use crate::layer::Config;
 use crate::replay::problem;
 
@@ -57,9 +58,8 @@ pin_project! {
         Unprotected { #[pin] future: S::Future },
         Running {
             result: oneshot::Receiver<Finished<ResBody, S::Error>>,
-            // The execution, when it runs inline (`cancel_on_disconnect`): driven here until
-            // its head is known, then by the response body; dropping it cancels it.
-            driver: Option<Driver>,
+            // Driven here until its head is known, then by the response body.
+            execution: Option<Execution>,
             fence: u64,
             config: Arc<Config>,
         },
@@ -174,10 +174,10 @@ where
                             let fence = run.guard.fence();
                             let config = run.config.clone();
                             match execution::start(future, run) {
-                                Some(Started { result, driver }) => {
+                                Some(Started { result, execution }) => {
                                     this.state.set(State::Running {
                                         result,
-                                        driver,
+                                        execution: Some(execution),
                                         fence,
                                         config,
                                     });
@@ -203,27 +203,31 @@ where
                 }
                 StateProj::Running {
                     result,
-                    driver,
+                    execution,
                     fence,
                     config,
                 } => {
-                    if let Some(execution) = driver
-                        && execution.as_mut().poll(cx).is_ready()
+                    if let Some(running) = execution
+                        && running.poll(cx)
                     {
-                        *driver = None;
+                        *execution = None;
                     }
                     let finished = ready!(Pin::new(result).poll(cx));
-                    let driver = driver.take();
+                    let execution = execution.take();
                     let fence = *fence;
                     let config = config.clone();
                     this.state.set(State::Done);
                     return Poll::Ready(match finished {
                         Ok(Finished::Response(mut response)) => {
-                            if let Some(execution) = driver
-                                && response.body_mut().drive(execution).is_some()
+                            // What is left: storing a whole body (never cancelled), or
+                            // feeding a streamed one. A detached execution goes on in a task
+                            // of its own, at its own pace, whatever the client reads; a
+                            // cancellable one is driven by the body as the client reads it.
+                            if let Some(execution) = execution
+                                && !execution.is_detached()
+                                && let Some(mut rest) = response.body_mut().drive(execution)
                             {
-                                // Whole bodies: the execution sent them after storing; what is
-                                // left of it has nothing to do.
+                                rest.detach();
                             }
                             Ok(response)
                         }

@@ -27,13 +27,21 @@ use crate::{ConfigError, Idempotency, Outcome, Rejection, Store, UnknownOutcome}
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum OnConflict {
-    /// Answer 409 Conflict with `Retry-After` at once (the IETF draft's behaviour; default).
+    /// Answer 409 Conflict with `Retry-After` (the IETF draft's behaviour; default), after the
+    /// [`completion_grace`](IdempotencyLayerBuilder::completion_grace): a first request whose
+    /// response has gone out while its outcome is being stored is replayed, not refused.
     Reject,
     /// Wait up to this long for the first request to finish (woken by its completion, not by
     /// polling) and replay its response; 409 if it is still running then. If the first request
     /// fails without storing a response, this one runs instead.
     Wait(Duration),
 }
+
+/// The default [`completion_grace`](IdempotencyLayerBuilder::completion_grace).
+pub const DEFAULT_COMPLETION_GRACE: Duration = Duration::from_millis(50);
+
+/// The longest [`completion_grace`](IdempotencyLayerBuilder::completion_grace).
+pub const MAX_COMPLETION_GRACE: Duration = Duration::from_secs(10);
 
 /// Which response headers are stored and replayed.
 ///
@@ -182,6 +190,7 @@ pub(crate) struct Config {
     pub(crate) chunk_size: usize,
     pub(crate) retention: Duration,
     pub(crate) on_conflict: OnConflict,
+    pub(crate) completion_grace: Duration,
     pub(crate) retry_after: Duration,
     pub(crate) default_outcome: Arc<DefaultOutcome>,
     pub(crate) unknown_outcome: UnknownOutcome,
@@ -298,6 +307,7 @@ impl IdempotencyLayer {
             chunk_size: 64 * 1024,
             retention: Duration::from_secs(24 * 3600),
             on_conflict: OnConflict::Reject,
+            completion_grace: DEFAULT_COMPLETION_GRACE,
             retry_after: Duration::from_secs(5),
             default_outcome: Arc::new(default_outcome),
             unknown_outcome: UnknownOutcome::default(),
@@ -340,6 +350,7 @@ pub struct IdempotencyLayerBuilder {
     chunk_size: usize,
     retention: Duration,
     on_conflict: OnConflict,
+    completion_grace: Duration,
     retry_after: Duration,
     default_outcome: Arc<DefaultOutcome>,
     unknown_outcome: UnknownOutcome,
@@ -375,7 +386,7 @@ impl IdempotencyLayerBuilder {
     /// With it, nothing in the store can be computed or forged without it: the store name of a
     /// key and the request fingerprint are HMAC-SHA256 under keys derived from it, and each
     /// record is sealed with AES-256-GCM under a key derived from it, the raw idempotency key
-    /// and its scope ([`secret`](crate::secret)). Without it the same derivations run with an
+    /// and its scope (see the `secret` module). Without it the same derivations run with an
     /// empty secret: raw input still never reaches the store, but names and fingerprints of
     /// guessable keys (a phone number) can be recovered by enumeration, and whoever knows a key
     /// can open or forge its record. Keys read from the request body (a phone number, an
@@ -606,6 +617,27 @@ impl IdempotencyLayerBuilder {
     /// ```
     pub fn on_conflict(mut self, on_conflict: OnConflict) -> Self {
         self.on_conflict = on_conflict;
+        self
+    }
+
+    /// How long a duplicate that finds its key in flight waits for it before the 409 of
+    /// [`OnConflict::Reject`] (default 50 ms; zero: 409 at once; at most 10 s).
+    ///
+    /// A response goes to the client as soon as its outcome is on its way to the store, without
+    /// waiting for the store's answer (one round trip less for every request), and the lease
+    /// keeps the key until the outcome is stored. A retry sent to the same instance is ordered
+    /// behind the store command on its connection; one that reaches another instance within
+    /// that round trip would find the key still in flight: the grace makes it wait for the
+    /// stored outcome (woken by the completion, not by polling) and replay it. A request that
+    /// really is concurrent gets its 409 after the grace.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .completion_grace(Duration::from_millis(200));
+    /// ```
+    pub fn completion_grace(mut self, grace: Duration) -> Self {
+        self.completion_grace = grace;
         self
     }
 
@@ -849,6 +881,15 @@ impl IdempotencyLayerBuilder {
         }
         // The lock crate checks the retention against the lease.
         store.client().once("probe")?.retention(self.retention)?;
+        if self.completion_grace > MAX_COMPLETION_GRACE {
+            return invalid(
+                "completion_grace",
+                format!(
+                    "{:?} is over {MAX_COMPLETION_GRACE:?}: a longer wait is OnConflict::Wait",
+                    self.completion_grace
+                ),
+            );
+        }
         if let OnConflict::Wait(wait) = self.on_conflict {
             if wait.is_zero() {
                 return invalid("on_conflict", "a zero wait: use OnConflict::Reject".into());
@@ -878,6 +919,7 @@ impl IdempotencyLayerBuilder {
                 chunk_size: self.chunk_size,
                 retention: self.retention,
                 on_conflict: self.on_conflict,
+                completion_grace: self.completion_grace,
                 retry_after: self.retry_after,
                 default_outcome: self.default_outcome,
                 unknown_outcome: self.unknown_outcome,

@@ -116,6 +116,22 @@
 //! lease, or the process stalled) may overlap with a retry: its completion is then refused and
 //! counted (`lease_lost`), and the fencing token lets the handler's own writes reject the stale
 //! one. A single Redis that fails over can lose in-flight leases (see [`distlock`]).
+//!
+//! # Redis in production
+//!
+//! [`Store::redis`] takes `redis://` and `rediss://` (TLS, the system's roots) URLs; for a
+//! private CA, mutual TLS, Redis Cluster, Sentinel or Redlock, build a [`distlock::LockClient`]
+//! and use [`Store::from_client`]. Tested on Redis 7 and Valkey 9. A least-privilege ACL user
+//! for the layer's default key prefix `idem` ([`distlock::acl_rules`] gives the rules for any
+//! prefix):
+//!
+//! ```text
+//! ACL SETUSER idempotency on >PASSWORD resetkeys ~idem:* resetchannels &idem:* -@all +evalsha +script|load +get +set +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex +llen +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots
+//! ```
+//!
+//! A store that refuses what the layer needs (an ACL user without `EVALSHA`, a managed service
+//! that disabled scripting) is reported by `store.client().prepare()` at startup, naming the
+//! command.
 
 mod begin;
 mod body;
@@ -146,7 +162,10 @@ pub use distlock;
 pub use distlock::ConfigError;
 pub use future::ResponseFuture;
 pub use key::{KeySource, KeySourceExt};
-pub use layer::{IdempotencyLayer, IdempotencyLayerBuilder, OnConflict, ReplayHeaders};
+pub use layer::{
+    DEFAULT_COMPLETION_GRACE, IdempotencyLayer, IdempotencyLayerBuilder, MAX_COMPLETION_GRACE,
+    OnConflict, ReplayHeaders,
+};
 pub use outcome::{KeepBody, Outcome, UnknownOutcome};
 pub use problem::Rejection;
 pub use replay::IDEMPOTENT_REPLAYED;

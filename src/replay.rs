@@ -16,6 +16,7 @@ use http_body::Frame;
 use crate::Rejection;
 use crate::body::{BoxError, Feed, Message, ResponseBody};
 use crate::complete::joined;
+use crate::execution::Execution;
 use crate::layer::Config;
 use crate::metrics::Event;
 use crate::record::{Head, Kind, Part, Record, Sealer};
@@ -277,7 +278,7 @@ fn streamed<B>(
     let (feed, mut body) = Feed::channel();
     let reading = read(source, feed, *key, name.to_owned(), head.fence);
     // The body drives the reading while the client reads; dropping it stops the reading.
-    let _ = body.drive(Box::pin(reading));
+    let _ = body.drive(Execution::cancellable(Box::pin(reading)));
     let mut response = Response::new(body);
     *response.status_mut() = head.status;
     *response.headers_mut() = kept_headers(config, head.headers);

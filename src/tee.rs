@@ -27,6 +27,7 @@ use crate::begin::Run;
 use crate::body::{BoxError, Feed, Message, ResponseBody};
 use crate::complete;
 use crate::execution::Finished;
+use crate::metrics::Event;
 use crate::record::{Kind, Sealer};
 
 /// The most read from a body before its head goes out: a body complete within it is stored and
@@ -56,18 +57,21 @@ pub(crate) async fn tee<B, E>(
             Some(None) => {
                 let (data, trailers) = whole(early);
                 let kept = keep && data.len() <= run.config.record_limit;
-                complete::response(
-                    run,
+                let record = complete::whole(
+                    &run,
                     parts.status,
                     &parts.headers,
                     kept.then_some(&data[..]),
                     trailers.as_ref(),
-                )
-                .await;
-                let _ = reply.send(Finished::Response(Response::from_parts(
-                    parts,
-                    ResponseBody::full(data, trailers),
-                )));
+                );
+                // The response goes out once its record is on its way to the store.
+                let respond = move || {
+                    let _ = reply.send(Finished::Response(Response::from_parts(
+                        parts,
+                        ResponseBody::full(data, trailers),
+                    )));
+                };
+                complete::store_then(run, &record, Event::Executed, respond).await;
                 return;
             }
             Some(Some(Ok(frame))) => {

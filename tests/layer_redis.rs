@@ -395,3 +395,119 @@ async fn a_lease_taken_away_mid_handler_is_not_completed() {
     );
     assert_eq!(probe.runs(), 2);
 }
+
+/// A whole response goes to the client as soon as its outcome is on its way to the store, not
+/// after the store answers: with everything between this instance and Redis black-holed once the
+/// handler has started, the client still gets its response, and at that moment the key is
+/// still held and nothing is stored (before: the response waited for the completion, which
+/// waited out the lease, so the lock was gone by then). Once the path heals, the outcome
+/// lands and a retry replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_response_goes_out_before_its_outcome_is_stored() {
+    let server = RedisServer::start().await;
+    let proxy = testkit::FaultProxy::start(&server).await;
+    let prefix = testkit::unique_prefix("respond-first");
+    let store = redis_store(&proxy.url(), &prefix).await;
+    let (router, probe) = app(&store, |b| b);
+    let (addr, _server) = serve(router).await;
+    let client = client();
+    probe.close();
+    let first = tokio::spawn({
+        let client = client.clone();
+        async move { http(&client, addr, post_key("/things", "early", "{}")).await }
+    });
+    probe.started(1).await;
+    proxy.blackhole(true);
+    probe.open();
+    let first = support::within("the response, with the store unreachable", first)
+        .await
+        .unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    let mut r = server.connection().await;
+    let locks: Vec<String> = r.keys(format!("{prefix}:{{*}}")).await.unwrap();
+    assert_eq!(locks.len(), 1, "the key is still held: {locks:?}");
+    let ttl: i64 = r.pttl(&locks[0]).await.unwrap();
+    assert!(ttl > 0, "held, with a lease: {ttl}");
+    proxy.heal();
+    let retry = support::within("the replay once the outcome landed", async {
+        loop {
+            let retry = http(&client, addr, post_key("/things", "early", "{}")).await;
+            if retry.status != StatusCode::CONFLICT {
+                return retry;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(probe.runs(), 1);
+}
+
+/// A duplicate that reaches another instance while the first instance's response is out and
+/// its outcome still on the way to Redis waits for it (the completion grace, woken by the
+/// completion) and replays it, rather than answering 409 (before: 409 at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_during_the_completion_round_trip_gets_the_replay() {
+    let server = RedisServer::start().await;
+    let proxy = testkit::FaultProxy::start(&server).await;
+    let prefix = testkit::unique_prefix("grace");
+    let store_a = redis_store(&proxy.url(), &prefix).await;
+    let store_b = redis_store(&server.url(), &prefix).await;
+    let (router_a, probe) = app(&store_a, |b| b);
+    // A long grace, so that the test does not depend on timing: the duplicate waits until the
+    // outcome lands, which the test lets happen only once the duplicate is waiting.
+    let router_b = app_with(&store_b, &probe, |b| {
+        b.completion_grace(Duration::from_secs(10))
+    });
+    let (addr_a, _a) = serve(router_a).await;
+    let (addr_b, _b) = serve(router_b).await;
+    let client = client();
+    probe.close();
+    let first = tokio::spawn({
+        let client = client.clone();
+        async move { http(&client, addr_a, post_key("/things", "grace", "{}")).await }
+    });
+    probe.started(1).await;
+    proxy.blackhole(true);
+    probe.open();
+    let first = support::within("the first response", first).await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+
+    let duplicate = tokio::spawn({
+        let client = client.clone();
+        async move { http(&client, addr_b, post_key("/things", "grace", "{}")).await }
+    });
+    // The duplicate found the key in flight and waits for its completion (subscribed to it).
+    let mut r = server.connection().await;
+    let deadline = tokio::time::Instant::now() + support::DEADLINE;
+    loop {
+        let channels: Vec<String> = redis::cmd("PUBSUB")
+            .arg("CHANNELS")
+            .arg(format!("{prefix}*"))
+            .query_async(&mut r)
+            .await
+            .unwrap();
+        if !channels.is_empty() {
+            break;
+        }
+        assert!(
+            !duplicate.is_finished(),
+            "the duplicate answered without waiting: {:?}",
+            duplicate.await.unwrap()
+        );
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the duplicate never waited for the completion"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    proxy.heal();
+    let duplicate = support::within("the duplicate's answer", duplicate)
+        .await
+        .unwrap();
+    assert_eq!(duplicate.status, StatusCode::CREATED, "{duplicate:?}");
+    assert!(duplicate.replayed());
+    assert_eq!(duplicate.body, first.body);
+    assert_eq!(probe.runs(), 1);
+}

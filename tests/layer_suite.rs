@@ -564,9 +564,11 @@ async fn streamed_bodies_are_forwarded_and_stored(s: TestStore) {
 }
 
 async fn a_lost_lease_stores_nothing(s: TestStore) {
-    // No renewal and a short lease: a slow handler outlives its lease.
+    // No renewal and a short lease: a slow handler outlives its lease. (Long enough that its
+    // command timeout leaves room for the Sentinel store's replica check: see
+    // `TestStore::sentinel`.)
     let lock = distlock::LockConfig::builder()
-        .lease(Duration::from_millis(600))
+        .lease(Duration::from_secs(2))
         .watchdog(false)
         .build()
         .unwrap();

@@ -2,17 +2,27 @@
 //! `{"phone": "...", "name": "..."}`. Its handler does the classic check-then-insert, which lets
 //! two concurrent signups with one phone number both pass the check; the idempotency layer keyed
 //! by the phone number closes that hole on every instance at once.
+//!
+//! The same service for people: `GET /` serves an HTML form (no JavaScript) whose every render
+//! carries its own idempotency key in a hidden field. `POST /signup/form` answers
+//! post/redirect/get, `303 See Other` to the account's page, and the layer keyed by that hidden
+//! field replays the redirect for a second click, a resubmission after the back button, or the
+//! same form sent from another tab to another instance: one account, one result page.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::http::StatusCode;
+use axum::extract::{Form, Path, State};
+use axum::http::{StatusCode, header};
+use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
-use tower_idempotency::{IdempotencyContext, IdempotencyLayer, Store, key};
+use tower_idempotency::{IdempotencyContext, IdempotencyLayer, OnConflict, Store, key};
+
+/// The hidden form field that carries the idempotency key of one render of the form.
+pub(crate) const FORM_KEY_FIELD: &str = "idempotency_key";
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct Signup {
@@ -58,34 +68,164 @@ impl Users {
     }
 }
 
+/// Why an account was not created.
+enum Refused {
+    AlreadyRegistered,
+}
+
+/// Article 004's register(): check, then insert. Not atomic on its own.
+async fn register(
+    users: &Users,
+    phone: String,
+    name: String,
+    ctx: Option<&IdempotencyContext>,
+) -> Result<User, Refused> {
+    let exists = users.rows.lock().unwrap().iter().any(|u| u.phone == phone);
+    if exists {
+        return Err(Refused::AlreadyRegistered);
+    }
+    // The insert, as a database runs it: once sent, it commits whether or not the client (and
+    // with it this request's future) is still there.
+    let fence = ctx.and_then(IdempotencyContext::fence);
+    let insert = tokio::spawn({
+        let users = users.clone();
+        async move {
+            tokio::time::sleep(users.work).await;
+            let mut rows = users.rows.lock().unwrap();
+            let user = User {
+                id: rows.len() as u64 + 1,
+                phone,
+                name,
+                fence,
+            };
+            rows.push(user.clone());
+            user
+        }
+    });
+    Ok(insert.await.expect("the insert does not panic"))
+}
+
 async fn signup(
     State(users): State<Users>,
     ctx: Option<IdempotencyContext>,
     Json(form): Json<Signup>,
 ) -> Result<(StatusCode, Json<User>), (StatusCode, String)> {
-    // Article 004's register(): check, then insert. Not atomic on its own.
-    let exists = users
-        .rows
-        .lock()
-        .unwrap()
-        .iter()
-        .any(|u| u.phone == form.phone);
-    if exists {
-        return Err((
+    match register(&users, form.phone, form.name, ctx.as_ref()).await {
+        Ok(user) => Ok((StatusCode::CREATED, Json(user))),
+        Err(Refused::AlreadyRegistered) => Err((
             StatusCode::CONFLICT,
             "phone number already registered".into(),
-        ));
+        )),
     }
-    tokio::time::sleep(users.work).await;
-    let mut rows = users.rows.lock().unwrap();
-    let user = User {
-        id: rows.len() as u64 + 1,
-        phone: form.phone,
-        name: form.name,
-        fence: ctx.as_ref().and_then(IdempotencyContext::fence),
+}
+
+/// The form as a browser posts it.
+#[derive(Debug, Deserialize)]
+pub(crate) struct FormSignup {
+    pub(crate) phone: String,
+    pub(crate) name: String,
+}
+
+/// Text for HTML.
+fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+fn page(title: &str, body: &str) -> String {
+    format!(
+        r#"<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 32rem; margin: 3rem auto; color: #1d2330; }}
+h1 {{ font-size: 1.6rem; }}
+label {{ display: block; margin: 1rem 0 .3rem; font-weight: 600; }}
+input {{ width: 100%; padding: .5rem; font-size: 1rem; box-sizing: border-box; }}
+button {{ margin-top: 1.5rem; padding: .6rem 1.6rem; font-size: 1rem; background: #2456d6; color: white; border: 0; border-radius: .3rem; }}
+.card {{ border: 1px solid #d5dae3; border-radius: .5rem; padding: 1rem 1.5rem; background: #f6f8fb; }}
+.count {{ font-size: 1.2rem; font-weight: 700; color: #137333; }}
+</style></head><body>{body}</body></html>"#
+    )
+}
+
+/// `GET /`: the signup form, with a fresh idempotency key in a hidden field.
+async fn form() -> impl IntoResponse {
+    let mut key = [0u8; 16];
+    rand::fill(&mut key[..]);
+    let key: String = key.iter().map(|b| format!("{b:02x}")).collect();
+    Html(page(
+        "Sign up",
+        &format!(
+            r#"<h1>Create your account</h1>
+<form method="post" action="/signup/form">
+<input type="hidden" name="{FORM_KEY_FIELD}" value="{key}">
+<label for="name">Name</label><input id="name" name="name" required>
+<label for="phone">Phone number</label><input id="phone" name="phone" type="tel" required>
+<button id="submit" type="submit">Sign up</button>
+</form>"#
+        ),
+    ))
+}
+
+/// `POST /signup/form`: creates the account and answers `303 See Other` to its page
+/// (post/redirect/get: reloading the result page never posts again).
+async fn form_signup(
+    State(users): State<Users>,
+    ctx: Option<IdempotencyContext>,
+    Form(form): Form<FormSignup>,
+) -> Response {
+    match register(&users, form.phone, form.name, ctx.as_ref()).await {
+        Ok(user) => (
+            StatusCode::SEE_OTHER,
+            [(header::LOCATION, format!("/accounts/{}", user.id))],
+        )
+            .into_response(),
+        Err(Refused::AlreadyRegistered) => (
+            StatusCode::CONFLICT,
+            Html(page(
+                "Already registered",
+                r#"<h1>This phone number is already registered</h1><p><a href="/">Back</a></p>"#,
+            )),
+        )
+            .into_response(),
+    }
+}
+
+/// `GET /accounts/{id}`: the result page.
+async fn account(State(users): State<Users>, Path(id): Path<u64>) -> Response {
+    let rows = users.rows();
+    let Some(user) = rows.iter().find(|u| u.id == id) else {
+        return (
+            StatusCode::NOT_FOUND,
+            Html(page("Not found", "<h1>No such account</h1>")),
+        )
+            .into_response();
     };
-    rows.push(user.clone());
-    Ok((StatusCode::CREATED, Json(user)))
+    let same_phone = rows.iter().filter(|u| u.phone == user.phone).count();
+    Html(page(
+        "Welcome",
+        &format!(
+            r#"<h1>Welcome, {name}!</h1>
+<div class="card">
+<p>Account <strong id="account">#{id}</strong> for <strong id="phone">{phone}</strong>.</p>
+<p>Accounts with this phone number: <span class="count" id="count">{same_phone}</span></p>
+</div>"#,
+            name = escape(&user.name),
+            id = user.id,
+            phone = escape(&user.phone),
+        ),
+    ))
+    .into_response()
 }
 
 async fn list(State(users): State<Users>) -> Json<Vec<User>> {
@@ -95,24 +235,39 @@ async fn list(State(users): State<Users>) -> Json<Vec<User>> {
 /// The service without any protection (for comparison).
 pub(crate) fn unprotected(users: Users) -> Router {
     Router::new()
+        .route("/", get(form))
         .route("/signup", post(signup))
+        .route("/signup/form", post(form_signup))
+        .route("/accounts/{id}", get(account))
         .route("/users", get(list))
         .with_state(users)
 }
 
-/// The service with signups made idempotent by phone number (a key that names a person, global
-/// by nature, and guessable: the server secret keeps it out of reach in the store).
+/// The service with signups made idempotent: the JSON API by phone number (a key that names a
+/// person, global by nature, and guessable: the server secret keeps it out of reach in the
+/// store), the HTML form by the key of its render (a second click, a resubmission or another
+/// tab waits for the first submission and gets its redirect).
 pub(crate) fn app(
     store: Store,
     secret: &[u8],
     users: Users,
 ) -> Result<Router, tower_idempotency::ConfigError> {
-    let layer = IdempotencyLayer::builder(store)
+    let by_phone = IdempotencyLayer::builder(store.clone())
         .secret(secret)?
         .key(key::json("/phone")?)
         .build()?;
+    let by_form = IdempotencyLayer::builder(store)
+        .secret(secret)?
+        .key(key::form(FORM_KEY_FIELD))
+        // A browser's second click cancels the first navigation and waits for its own answer:
+        // give it the first submission's redirect, not a 409 page.
+        .on_conflict(OnConflict::Wait(Duration::from_secs(10)))
+        .build()?;
     Ok(Router::new()
-        .route("/signup", post(signup).layer(layer))
+        .route("/", get(form))
+        .route("/signup", post(signup).layer(by_phone))
+        .route("/signup/form", post(form_signup).layer(by_form))
+        .route("/accounts/{id}", get(account))
         .route("/users", get(list))
         .with_state(users))
 }

@@ -10,7 +10,7 @@ use pin_project_lite::pin_project;
 use tokio::sync::mpsc;
 
 use super::BoxError;
-use crate::execution::Driver;
+use crate::execution::Execution;
 
 /// What the protected execution sends to the client's body, frame by frame.
 #[derive(Debug)]
@@ -76,7 +76,7 @@ pin_project! {
     enum Kind<B> {
         Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
         Inner { #[pin] inner: B },
-        Fed { rx: mpsc::Receiver<Message>, driver: Option<Driver>, ended: bool },
+        Fed { rx: mpsc::Receiver<Message>, driver: Option<Execution>, ended: bool },
     }
 }
 
@@ -107,11 +107,11 @@ impl<B> ResponseBody<B> {
         }
     }
 
-    /// Hands an inline execution (`cancel_on_disconnect`) that still feeds this body to the
-    /// body, which drives it while the client reads; dropping the body cancels it. Returns the
-    /// driver if this body does not take it (it is whole: its execution has nothing left to
-    /// feed it).
-    pub(crate) fn drive(&mut self, driver: Driver) -> Option<Driver> {
+    /// Hands an execution that still feeds this body to the body, which drives it while the
+    /// client reads; dropping the body drops it (which detaches or cancels it, as it says).
+    /// Returns the execution if this body does not take it (it is whole: its execution has
+    /// nothing left to feed it).
+    pub(crate) fn drive(&mut self, driver: Execution) -> Option<Execution> {
         match &mut self.kind {
             Kind::Fed {
                 driver: slot,
@@ -156,7 +156,7 @@ where
                     return Poll::Ready(None);
                 }
                 if let Some(execution) = driver
-                    && execution.as_mut().poll(cx).is_ready()
+                    && execution.poll(cx)
                 {
                     *driver = None;
                 }

@@ -474,10 +474,11 @@ impl TestStore {
         let client = LockClient::builder()
             .prefix(&testkit::unique_prefix(test))
             .unwrap()
-            // Below the command timeout of the suite's shortest lock (a 600 ms lease: 130 ms),
-            // which distlock checks for every lock configuration; long enough for replicas on
-            // a loaded 2-core machine.
-            .replicas(replicas, std::time::Duration::from_millis(100))
+            // Below the command timeout of the suite's shortest lock (a 2 s lease), which
+            // distlock checks for every lock configuration; long enough for two replicas to
+            // acknowledge on a 2-core machine running the whole suite (at 100 ms, a missed
+            // acknowledgement under load answered the first request 503).
+            .replicas(replicas, std::time::Duration::from_millis(400))
             .unwrap()
             .sentinel(&group.sentinel_urls(), testkit::SENTINEL_SERVICE)
             .unwrap();

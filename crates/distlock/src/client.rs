@@ -52,6 +52,9 @@ impl std::fmt::Debug for LockClient {
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "distlock";
 
+/// The lock [`LockClient::prepare`] releases (never holds) to check the store's rights.
+const PROBE_NAME: &str = "distlock-prepare";
+
 impl LockClient {
     /// A builder with the default configuration and prefix `distlock`.
     ///
@@ -66,6 +69,7 @@ impl LockClient {
             notifications: Vec::new(),
             node_timeout: None,
             replicas: None,
+            tls: None,
         }
     }
 
@@ -202,12 +206,24 @@ impl LockClient {
         self.inner.backend.supports_streaming()
     }
 
-    /// Connects to the store and loads the lock scripts now, so that the first acquisition does
-    /// not pay for it (and a misconfigured URL shows up at startup). Optional: everything also
-    /// happens on first use.
+    /// Connects to the store, loads the lock scripts and runs one of them now, so that the first
+    /// acquisition does not pay for it and a misconfigured store shows up at startup. Optional:
+    /// everything also happens on first use.
+    ///
+    /// The check runs the release script on a lock nobody holds (`EVALSHA` on this client's
+    /// keys, which reads one key and writes nothing), so it also proves that the Redis user may
+    /// run scripts on keys under the prefix.
     ///
     /// # Errors
-    /// [`LockError::Unavailable`](crate::LockError::Unavailable) if the store cannot be reached.
+    /// * [`LockError::Config`](crate::LockError::Config) when the store refuses what the lock
+    ///   needs, naming it: a command the ACL user may not run or the server does not offer
+    ///   (`NOPERM`, or a command disabled or renamed, as managed services do with `EVAL`,
+    ///   `SCRIPT` and `CONFIG`), keys under the prefix the user may not access, or a TLS
+    ///   handshake that failed (an untrusted CA, a name mismatch, a client certificate the
+    ///   server wanted). Retrying cannot fix these. See [the crate docs](crate#acl) for the
+    ///   commands required.
+    /// * [`LockError::Unavailable`](crate::LockError::Unavailable) if the store cannot be
+    ///   reached in time.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -217,10 +233,30 @@ impl LockClient {
     /// ```
     pub async fn prepare(&self) -> Result<(), crate::LockError> {
         let timeout = self.inner.config.op_timeout().max(Duration::from_secs(1)) * 4;
-        match tokio::time::timeout(timeout, self.inner.backend.prepare()).await {
+        let check = async {
+            self.inner.backend.prepare().await?;
+            self.probe().await
+        };
+        let result = match tokio::time::timeout(timeout, check).await {
             Ok(result) => result,
             Err(_) => Err(crate::LockError::timeout("(prepare)", false, timeout)),
-        }
+        };
+        result.map_err(|e| crate::refusal::explain(e, &self.store()))
+    }
+
+    /// Releases a lock nobody holds, with a fresh token: the release script's `EVALSHA` on this
+    /// client's keys (a `GET`, nothing written).
+    async fn probe(&self) -> Result<(), crate::LockError> {
+        let op = crate::backend::Op {
+            name: self.name(PROBE_NAME)?,
+            token: crate::Token::random(),
+            lease: self.inner.config.lease(),
+            drift: self.inner.config.drift(),
+            fencing: false,
+            state_ttl: None,
+            mode: crate::backend::Mode::Exclusive,
+        };
+        self.inner.backend.release(&op).await.map(|_| ())
     }
 
     /// Waits, at most `within`, until this client's background work is done: the releases of
@@ -279,6 +315,7 @@ pub struct LockClientBuilder {
     notifications: Vec<Source>,
     node_timeout: Option<Duration>,
     replicas: Option<(usize, Duration)>,
+    tls: Option<crate::Tls>,
 }
 
 impl std::fmt::Debug for LockClientBuilder {
@@ -289,6 +326,7 @@ impl std::fmt::Debug for LockClientBuilder {
             .field("notifications", &self.notifications.len())
             .field("node_timeout", &self.node_timeout)
             .field("replicas", &self.replicas)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -379,9 +417,24 @@ impl LockClientBuilder {
         Ok(self)
     }
 
+    /// Trusted roots and a client certificate for `rediss://` URLs given to
+    /// [`connect`](Self::connect), [`connect_redlock`](Self::connect_redlock),
+    /// [`connect_cluster`](Self::connect_cluster) and [`sentinel`](Self::sentinel) (see
+    /// [`Tls`](crate::Tls)). Without it, `rediss://` URLs trust the system's roots.
+    ///
+    /// ```
+    /// let b = distlock::LockClient::builder().tls(distlock::Tls::new());
+    /// ```
+    pub fn tls(mut self, tls: crate::Tls) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
     /// Locks on the master of a Sentinel-managed group: commands follow the master across
-    /// failovers, and so do notifications. Must be called inside a Tokio runtime. See
-    /// [`sentinel`](crate::sentinel) for what a failover costs.
+    /// failovers, and so do notifications. See [`sentinel`](crate::sentinel) for what a
+    /// failover costs. `rediss://` sentinel URLs mean TLS to the sentinels and to the master,
+    /// with the builder's [`tls`](Self::tls) settings; for the master's credentials (an ACL
+    /// user) or other TLS choices use [`sentinel_with`](Self::sentinel_with).
     ///
     /// # Errors
     /// If a sentinel URL is invalid.
@@ -395,13 +448,106 @@ impl LockClientBuilder {
     /// # Ok(()) }
     /// ```
     pub fn sentinel<S: AsRef<str>>(
-        mut self,
+        self,
         sentinels: &[S],
         service: &str,
     ) -> Result<LockClient, ConfigError> {
-        let conn = crate::sentinel::SentinelConnection::new(sentinels, service)?;
+        let builder = crate::sentinel::SentinelConnection::builder(sentinels, service);
+        self.sentinel_with(builder)
+    }
+
+    /// Locks on the master of a Sentinel-managed group, connected as `sentinel` says (TLS, the
+    /// master's credentials); the builder's [`tls`](Self::tls) settings apply unless
+    /// `sentinel` has its own.
+    ///
+    /// # Errors
+    /// As [`SentinelConnectionBuilder::build`](crate::sentinel::SentinelConnectionBuilder::build).
+    ///
+    /// ```
+    /// # fn main() -> Result<(), distlock::ConfigError> {
+    /// use distlock::sentinel::SentinelConnection;
+    /// let client = distlock::LockClient::builder().sentinel_with(
+    ///     SentinelConnection::builder(&["redis://127.0.0.1:26379/"], "mymaster")
+    ///         .master_auth(Some("locks"), "secret"),
+    /// )?;
+    /// assert!(client.store().contains("mymaster"));
+    /// # Ok(()) }
+    /// ```
+    pub fn sentinel_with(
+        mut self,
+        sentinel: crate::sentinel::SentinelConnectionBuilder,
+    ) -> Result<LockClient, ConfigError> {
+        let sentinel = match self.tls.take() {
+            Some(tls) => sentinel.default_tls(tls),
+            None => sentinel,
+        };
+        let service = sentinel.service().to_owned();
+        let conn = sentinel.build()?;
         self.notifications.push(Source::Sentinel(conn.sentinel()));
         self.redis_described(conn, format!("redis sentinel ({service})"))
+    }
+
+    /// Locks on the Redis Cluster reached through the nodes at `urls` (`rediss://` with the
+    /// builder's [`tls`](Self::tls) settings), with notifications from the first node. Connects
+    /// now: a cluster client needs the slot map. Must be called inside a Tokio runtime.
+    ///
+    /// # Errors
+    /// [`LockError::Config`](crate::LockError::Config) if a URL is invalid (or the URLs mix
+    /// `redis://` and `rediss://`), [`LockError::Unavailable`](crate::LockError::Unavailable)
+    /// if no node answers.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// let client = distlock::LockClient::builder()
+    ///     .connect_cluster(&["redis://127.0.0.1:7000/", "redis://127.0.0.1:7001/"])
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect_cluster<S: AsRef<str>>(
+        self,
+        urls: &[S],
+    ) -> Result<LockClient, crate::LockError> {
+        let mut infos = Vec::with_capacity(urls.len());
+        for url in urls {
+            let info = redis::IntoConnectionInfo::into_connection_info(url.as_ref())
+                .map_err(|e| ConfigError::invalid("url", format!("{:?}: {e}", url.as_ref())))?;
+            infos.push(crate::tls::quiet(info));
+        }
+        let Some(first) = urls.first() else {
+            return Err(
+                ConfigError::invalid("url", "a cluster needs at least one node URL").into(),
+            );
+        };
+        let tls = infos.iter().filter(|i| crate::tls::is_tls(i)).count();
+        if tls != 0 && tls != infos.len() {
+            return Err(
+                ConfigError::invalid("url", "the node URLs mix redis:// and rediss://").into(),
+            );
+        }
+        let notifications = crate::tls::client(first.as_ref(), self.tls.as_ref())?;
+        let timeout = self.config.op_timeout();
+        let mut cluster = redis::cluster::ClusterClientBuilder::new(infos)
+            .connection_timeout(timeout)
+            .response_timeout(timeout);
+        if let Some(tls) = &self.tls {
+            cluster = cluster.certs(tls.certificates());
+        }
+        let cluster = cluster
+            .build()
+            .map_err(|e| ConfigError::invalid("url", e.to_string()))?;
+        let conn = match tokio::time::timeout(timeout * 4, cluster.get_async_connection()).await {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(e)) => {
+                let error = crate::LockError::from_redis("(cluster)", false, e);
+                return Err(crate::refusal::explain(error, "redis cluster"));
+            }
+            Err(_) => return Err(crate::LockError::timeout("(cluster)", false, timeout * 4)),
+        };
+        let describe = format!("redis cluster ({} nodes given)", urls.len());
+        Ok(self
+            .notifications(notifications)
+            .redis_described(conn, describe)?)
     }
 
     fn waiters(&mut self) -> Arc<Waiters> {
@@ -519,8 +665,7 @@ impl LockClientBuilder {
         &self,
         url: &str,
     ) -> Result<(redis::Client, redis::aio::ConnectionManager), ConfigError> {
-        let client = redis::Client::open(url)
-            .map_err(|e| ConfigError::invalid("url", format!("{url:?}: {e}")))?;
+        let client = crate::tls::client(url, self.tls.as_ref())?;
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(ConfigError::invalid(
                 "runtime",

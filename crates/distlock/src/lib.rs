@@ -127,6 +127,56 @@
 //! * **Streamed run-once records are not offered** ([`LockError::Unsupported`],
 //!   [`LockClient::supports_streaming`]): records are written whole, by quorum.
 //!
+//! # TLS
+//!
+//! `rediss://` URLs connect over TLS (rustls) for one Redis ([`LockClientBuilder::connect`]),
+//! Redlock ([`LockClientBuilder::connect_redlock`]), Cluster ([`LockClientBuilder::connect_cluster`])
+//! and Sentinel ([`LockClientBuilder::sentinel`]; the master too, or as
+//! [`sentinel::SentinelConnectionBuilder::master_tls`] says). The system's roots are trusted
+//! unless [`LockClientBuilder::tls`] gives a private CA; it also gives the client certificate for
+//! mutual TLS. A server the client cannot trust (an untrusted CA, a name mismatch) is a
+//! [`ConfigError`] from [`LockClient::prepare`] naming the TLS failure, and an `Unavailable`
+//! error within the command timeout from any lock operation: never a hang. A server that
+//! refuses the client's certificate (mutual TLS) says so with an alert, which TLS 1.3 delivers
+//! after the client's side of the handshake: the client sees it, or only the closed
+//! connection when its first command was already on the way.
+//!
+//! # ACL
+//!
+//! A least-privilege Redis user for locks under the prefix `myapp` (the `tower-idempotency`
+//! layer's default prefix is `idem`) is created with exactly this line; [`acl_rules`] gives the
+//! rules for any prefix:
+//!
+//! ```text
+//! ACL SETUSER locks on >PASSWORD resetkeys ~myapp:* resetchannels &myapp:* -@all +evalsha +script|load +get +set +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex +llen +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots
+//! ```
+//!
+//! * **Commands**: `EVALSHA` for every operation, `SCRIPT LOAD` when the server lacks a script
+//!   (first use, a restart, a failover), and what the scripts call, since Redis checks ACLs
+//!   inside scripts too: `GET SET DEL PEXPIRE PTTL TYPE HGET HSET HDEL HEXISTS HINCRBY HLEN
+//!   PUBLISH`. `SUBSCRIBE`/`UNSUBSCRIBE` carry the release notifications. Only some setups
+//!   need the rest: `WAIT` the [replica check](LockClientBuilder::replicas), `ROLE` Sentinel
+//!   (the client checks the master it is given), `CLUSTER SLOTS` Redis Cluster.
+//! * **Keys**: `~myapp:*`: a lock's key `myapp:{name}` and its state `myapp:{name}:state`.
+//! * **Channels**: `&myapp:*`: release announcements on `myapp:{name}:rel`. Without them (Redis
+//!   7's default is `acl-pubsub-default resetchannels`) the lock warns once and waiters poll;
+//!   releases and completions are unaffected (scripts publish with `redis.pcall`).
+//! * **Not needed**: `EVAL`, `SCRIPT FLUSH`, `CONFIG`, `DEBUG`, `INFO`, `KEYS`, `SCAN`, `FLUSH*`,
+//!   `CLIENT`. The connections this crate opens do not send redis-rs's `CLIENT SETINFO`
+//!   (Valkey and Redis 7.2+ would log its refusal in the ACL log; Redis 7.0 does not know the
+//!   command). Connections you build yourself, and those redis-rs opens through Sentinel, still
+//!   send it and ignore the refusal: on Valkey or Redis 7.2+ add `+client|setinfo` to keep the
+//!   ACL log quiet.
+//!
+//! Managed services often forbid `CONFIG`, `DEBUG` and `SCRIPT FLUSH` (the lock uses none of
+//! them), and some refuse or rename `EVAL`/`EVALSHA`/`SCRIPT`. The lock cannot work without
+//! scripts: [`LockClient::prepare`] loads them and runs one on the client's keys, and a refusal
+//! is a [`LockError::Config`] naming what was refused (`the Redis user may not run EVALSHA`,
+//! `the server does not offer SCRIPT LOAD`, `may not access the lock's keys`), instead of an
+//! error at the first acquisition. A command the scripts call that the user may not run shows
+//! up at the first operation that calls it, as a [`LockError::Redis`] carrying Redis's
+//! `NOPERM` message. `cargo run -p distlock --example acl -- PREFIX` prints the rules.
+//!
 //! # Design decisions
 //!
 //! * **Reentrant holds share one key and never shorten it.** Every hold of a reentrant owner is
@@ -169,6 +219,7 @@
 //!   of `Duration::MAX` and an unbounded hold cap saturate; building a client never needs a
 //!   Tokio runtime (background tasks start on first use).
 
+mod acl;
 mod backend;
 mod backoff;
 mod client;
@@ -180,10 +231,13 @@ mod lease;
 mod lock;
 mod name;
 pub mod once;
+mod refusal;
 pub mod sentinel;
+mod tls;
 mod token;
 mod watchdog;
 
+pub use acl::acl_rules;
 pub use backend::memory::MemoryLimits;
 pub use backoff::Backoff;
 pub use client::{DEFAULT_PREFIX, LockClient, LockClientBuilder};
@@ -194,4 +248,5 @@ pub use lease::LeaseWatch;
 pub use lock::Lock;
 pub use name::{LockName, MAX_NAME_LEN};
 pub use once::{Begin, Once, OnceGuard};
+pub use tls::Tls;
 pub use token::{OwnerId, Token};

@@ -75,7 +75,7 @@ impl std::fmt::Debug for SentinelConnection {
 
 impl SentinelConnection {
     /// A connection to the master named `service`, found through `sentinels`. Connects on first
-    /// use.
+    /// use. The same as [`builder`](Self::builder)`(sentinels, service).build()`.
     ///
     /// # Errors
     /// If a sentinel URL is invalid.
@@ -84,22 +84,32 @@ impl SentinelConnection {
     /// assert!(distlock::sentinel::SentinelConnection::new(&["not a url"], "m").is_err());
     /// ```
     pub fn new<S: AsRef<str>>(sentinels: &[S], service: &str) -> Result<Self, ConfigError> {
-        let urls: Vec<&str> = sentinels.iter().map(AsRef::as_ref).collect();
-        // (The parameter is a `String`, or `impl AsRef<str>` when redis has TLS support.)
-        let service_name = String::from(service);
-        let client = SentinelClient::build(urls, service_name, None, SentinelServerType::Master)
-            .map_err(|e| ConfigError::invalid("sentinel", e.to_string()))?;
-        Ok(SentinelConnection {
-            inner: Arc::new(Inner {
-                sentinel: Arc::new(tokio::sync::Mutex::new(client)),
-                service: service.to_owned(),
-                current: Mutex::new(None),
-                connecting: tokio::sync::Mutex::new(0),
-                timeout: Duration::from_secs(2),
-                watching: AtomicBool::new(false),
-                silent: Mutex::new(None),
-            }),
-        })
+        Self::builder(sentinels, service).build()
+    }
+
+    /// A builder, for TLS and the master's credentials. Credentials in the sentinel URLs
+    /// (`redis://user:password@host:port/`) log in to the sentinels; the master's are separate
+    /// ([`SentinelConnectionBuilder::master_auth`]).
+    ///
+    /// ```
+    /// # fn main() -> Result<(), distlock::ConfigError> {
+    /// let conn = distlock::sentinel::SentinelConnection::builder(
+    ///     &["rediss://127.0.0.1:26379/"],
+    ///     "mymaster",
+    /// )
+    /// .master_auth(Some("locks"), "secret")
+    /// .build()?;
+    /// # let _ = conn;
+    /// # Ok(()) }
+    /// ```
+    pub fn builder<S: AsRef<str>>(sentinels: &[S], service: &str) -> SentinelConnectionBuilder {
+        SentinelConnectionBuilder {
+            sentinels: sentinels.iter().map(|s| s.as_ref().to_owned()).collect(),
+            service: service.to_owned(),
+            tls: None,
+            master_tls: None,
+            master_auth: None,
+        }
     }
 
     /// The sentinel client, shared with the notification task.
@@ -204,6 +214,161 @@ impl SentinelConnection {
                 *current = None;
             }
         }
+    }
+}
+
+/// Builder for [`SentinelConnection`]: TLS and the master's credentials.
+#[must_use]
+pub struct SentinelConnectionBuilder {
+    sentinels: Vec<String>,
+    service: String,
+    tls: Option<crate::Tls>,
+    master_tls: Option<bool>,
+    master_auth: Option<(Option<String>, String)>,
+}
+
+impl std::fmt::Debug for SentinelConnectionBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SentinelConnectionBuilder")
+            .field("sentinels", &self.sentinels.len())
+            .field("service", &self.service)
+            .field("tls", &self.tls)
+            .field("master_tls", &self.master_tls)
+            .field("master_user", &self.master_auth.as_ref().map(|(u, _)| u))
+            .finish()
+    }
+}
+
+impl SentinelConnectionBuilder {
+    /// Trusted roots and client certificate for `rediss://` sentinels and a TLS master.
+    ///
+    /// ```
+    /// let b = distlock::sentinel::SentinelConnection::builder(&["rediss://127.0.0.1:26379/"], "m")
+    ///     .tls(distlock::Tls::new());
+    /// ```
+    pub fn tls(mut self, tls: crate::Tls) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    pub(crate) fn default_tls(mut self, tls: crate::Tls) -> Self {
+        self.tls.get_or_insert(tls);
+        self
+    }
+
+    pub(crate) fn service(&self) -> &str {
+        &self.service
+    }
+
+    /// Whether the master (and the replicas the sentinels name) are reached over TLS. Default:
+    /// when the sentinel URLs are `rediss://`.
+    ///
+    /// ```
+    /// let b = distlock::sentinel::SentinelConnection::builder(&["redis://127.0.0.1:26379/"], "m")
+    ///     .master_tls(true);
+    /// ```
+    pub fn master_tls(mut self, tls: bool) -> Self {
+        self.master_tls = Some(tls);
+        self
+    }
+
+    /// Log in to the master as `username` (or the default user) with `password`: an ACL user
+    /// with the rights the lock needs (see [the crate docs](crate#acl)).
+    ///
+    /// ```
+    /// let b = distlock::sentinel::SentinelConnection::builder(&["redis://127.0.0.1:26379/"], "m")
+    ///     .master_auth(Some("locks"), "secret");
+    /// ```
+    pub fn master_auth(mut self, username: Option<&str>, password: &str) -> Self {
+        self.master_auth = Some((username.map(str::to_owned), password.to_owned()));
+        self
+    }
+
+    /// The connection (it connects on first use).
+    ///
+    /// # Errors
+    /// If there is no sentinel, a sentinel URL is invalid, the sentinels mix `redis://` and
+    /// `rediss://`, or TLS settings are given for plain connections only.
+    ///
+    /// ```
+    /// let b = distlock::sentinel::SentinelConnection::builder(&["redis://127.0.0.1:26379/"], "m");
+    /// assert!(b.build().is_ok());
+    /// ```
+    pub fn build(self) -> Result<SentinelConnection, ConfigError> {
+        let invalid = |e: RedisError| ConfigError::invalid("sentinel", e.to_string());
+        if self.sentinels.is_empty() {
+            return Err(ConfigError::invalid(
+                "sentinel",
+                "at least one sentinel is needed",
+            ));
+        }
+        let mut infos = Vec::with_capacity(self.sentinels.len());
+        for url in &self.sentinels {
+            let info = redis::IntoConnectionInfo::into_connection_info(url.as_str())
+                .map_err(|e| ConfigError::invalid("sentinel", format!("{url:?}: {e}")))?;
+            infos.push(info);
+        }
+        let tls_sentinels = infos.iter().filter(|i| crate::tls::is_tls(i)).count();
+        if tls_sentinels != 0 && tls_sentinels != infos.len() {
+            return Err(ConfigError::invalid(
+                "sentinel",
+                "the sentinel URLs mix redis:// and rediss://",
+            ));
+        }
+        let sentinel_tls = tls_sentinels != 0;
+        let master_tls = self.master_tls.unwrap_or(sentinel_tls);
+        if self.tls.is_some() && !sentinel_tls && !master_tls {
+            return Err(ConfigError::invalid(
+                "sentinel",
+                "TLS settings were given, but neither the sentinels (rediss://) nor the master use TLS",
+            ));
+        }
+        if sentinel_tls || master_tls {
+            crate::tls::ensure_crypto_provider();
+        }
+        let first = infos[0].redis_settings().clone();
+        let addrs: Vec<redis::ConnectionAddr> = infos.iter().map(|i| i.addr().clone()).collect();
+        let mut builder = redis::sentinel::SentinelClientBuilder::new(
+            addrs,
+            self.service.as_str(),
+            SentinelServerType::Master,
+        )
+        .map_err(invalid)?;
+        if let Some(username) = first.username() {
+            builder = builder.set_client_to_sentinel_username(username);
+        }
+        if let Some(password) = first.password() {
+            builder = builder.set_client_to_sentinel_password(password);
+        }
+        if let Some(tls) = &self.tls {
+            if sentinel_tls {
+                builder = builder.set_client_to_sentinel_certificates(tls.certificates());
+            }
+            if master_tls {
+                builder = builder.set_client_to_redis_certificates(tls.certificates());
+            }
+        }
+        if master_tls {
+            builder = builder.set_client_to_redis_tls_mode(redis::TlsMode::Secure);
+        }
+        if let Some((username, password)) = &self.master_auth {
+            if let Some(username) = username {
+                builder = builder.set_client_to_redis_username(username);
+            }
+            builder = builder.set_client_to_redis_password(password);
+        }
+        let client = builder.build().map_err(invalid)?;
+        Ok(SentinelConnection {
+            inner: Arc::new(Inner {
+                sentinel: Arc::new(tokio::sync::Mutex::new(client)),
+                service: self.service,
+                current: Mutex::new(None),
+                connecting: tokio::sync::Mutex::new(0),
+                timeout: Duration::from_secs(2),
+                watching: AtomicBool::new(false),
+                silent: Mutex::new(None),
+            }),
+        })
     }
 }
 

@@ -31,10 +31,38 @@ impl RedisCluster {
 
     /// Like [`start`](Self::start) but returns the error.
     pub async fn try_start(masters: usize, replicas: usize) -> Result<Self, HarnessError> {
+        Self::try_start_with(masters, replicas, ServerOptions::default()).await
+    }
+
+    /// A cluster whose nodes also serve TLS with `ca`'s certificates (the cluster bus and
+    /// replication too: `tls-cluster` and `tls-replication`); [`tls_urls`](Self::tls_urls)
+    /// reach them.
+    pub async fn start_tls(masters: usize, replicas: usize, ca: &crate::TestCa) -> Self {
+        let options = ServerOptions::default()
+            .tls(ca, false)
+            .arg("--tls-cluster")
+            .arg("yes")
+            .arg("--tls-replication")
+            .arg("yes");
+        match Self::try_start_with(masters, replicas, options).await {
+            Ok(cluster) => cluster,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// The nodes' `rediss://` URLs (a cluster from [`start_tls`](Self::start_tls)).
+    pub fn tls_urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::tls_url).collect()
+    }
+
+    async fn try_start_with(
+        masters: usize,
+        replicas: usize,
+        options: ServerOptions,
+    ) -> Result<Self, HarnessError> {
         let mut nodes = Vec::new();
         for _ in 0..masters * (1 + replicas) {
-            let node =
-                RedisServer::try_start_owned(ServerOptions::default().cluster_node()).await?;
+            let node = RedisServer::try_start_owned(options.clone().cluster_node()).await?;
             if node.pid().is_none() {
                 return Err(HarnessError(
                     "a cluster needs redis-server processes, not containers".into(),

@@ -8,6 +8,9 @@
 //!   processes) and prove there was never more than one holder and fencing tokens only grew.
 //! * [`FaultProxy`]: a TCP proxy between a client and Redis that delays replies, drops a reply
 //!   after its command ran, or black-holes connections.
+//! * [`TestCa`] and [`ServerOptions::tls`]: a CA with server and client certificates, and a
+//!   `redis-server` serving TLS with them (mutual TLS optional).
+//! * [`RedisServer::acl_user`]: a least-privilege ACL user and the URL that logs in as it.
 
 mod cluster;
 mod fenced;
@@ -15,6 +18,7 @@ mod history;
 mod proxy;
 mod sentinel;
 mod server;
+mod tls;
 
 pub use cluster::RedisCluster;
 pub use fenced::{FENCED_WRITE_LUA, FencedResource};
@@ -22,8 +26,18 @@ pub use history::{History, Open, Report, Section, check, instant_ns, now_ns};
 pub use proxy::FaultProxy;
 pub use sentinel::{RedisSentinel, SERVICE as SENTINEL_SERVICE};
 pub use server::{HarnessError, RedisServer, ServerOptions, free_port, free_port_pair};
+pub use tls::TestCa;
 
 /// A key prefix unique to one test run, so tests sharing a `REDIS_URL` server never collide.
+/// Every such prefix is under [`TEST_PREFIX`]`:`, so that one ACL user
+/// (`distlock::acl_rules(TEST_PREFIX)`, see `TESTKIT_ACL`) covers them all.
+///
+/// ```
+/// assert!(testkit::unique_prefix("x").starts_with("t:x-"));
+/// ```
 pub fn unique_prefix(test: &str) -> String {
-    format!("t-{test}-{}-{}", std::process::id(), now_ns())
+    format!("{TEST_PREFIX}:{test}-{}-{}", std::process::id(), now_ns())
 }
+
+/// The prefix of every [`unique_prefix`].
+pub const TEST_PREFIX: &str = "t";

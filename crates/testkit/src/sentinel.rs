@@ -11,6 +11,7 @@ pub const SERVICE: &str = "mymaster";
 struct SentinelProcess {
     child: Child,
     port: u16,
+    tls_port: Option<u16>,
     _dir: tempfile::TempDir,
 }
 
@@ -73,13 +74,33 @@ impl RedisSentinel {
 
     /// Like [`start`](Self::start) but returns the error.
     pub async fn try_start(replicas: usize) -> Result<Self, HarnessError> {
-        Self::try_start_inner(replicas, false).await
+        Self::try_start_inner(replicas, false, None).await
+    }
+
+    /// A group in which everything also speaks TLS with `ca`'s certificates: the servers (and
+    /// their replication), and the sentinels, which monitor the master at its TLS port and so
+    /// name TLS addresses to clients. [`tls_sentinel_urls`](Self::tls_sentinel_urls) reach
+    /// the sentinels over TLS.
+    pub async fn start_tls(replicas: usize, ca: &crate::TestCa) -> Self {
+        match Self::try_start_inner(replicas, false, Some(ca)).await {
+            Ok(group) => group,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// The sentinels' `rediss://` URLs (a group from [`start_tls`](Self::start_tls)).
+    pub fn tls_sentinel_urls(&self) -> Vec<String> {
+        self.sentinels
+            .iter()
+            .filter_map(|s| s.tls_port)
+            .map(|port| format!("rediss://127.0.0.1:{port}/"))
+            .collect()
     }
 
     /// A group whose sentinels monitor (and name to clients) a [`FaultProxy`](crate::FaultProxy)
     /// in front of the master, so that a test can hang the master as clients see it.
     pub async fn start_behind_proxy(replicas: usize) -> Self {
-        match Self::try_start_inner(replicas, true).await {
+        match Self::try_start_inner(replicas, true, None).await {
             Ok(group) => group,
             Err(e) => panic!("{e}"),
         }
@@ -90,10 +111,25 @@ impl RedisSentinel {
         self.proxy.as_ref()
     }
 
-    async fn try_start_inner(replicas: usize, proxied: bool) -> Result<Self, HarnessError> {
+    async fn try_start_inner(
+        replicas: usize,
+        proxied: bool,
+        tls: Option<&crate::TestCa>,
+    ) -> Result<Self, HarnessError> {
         let binary = find_redis_server()?;
-        let master = RedisServer::try_start_owned(ServerOptions::default()).await?;
-        let master_port = master.port();
+        let server_options = match tls {
+            Some(ca) => ServerOptions::default()
+                .tls(ca, false)
+                .arg("--tls-replication")
+                .arg("yes"),
+            None => ServerOptions::default(),
+        };
+        let master = RedisServer::try_start_owned(server_options.clone()).await?;
+        // Replication and the sentinels use the TLS port when there is one.
+        let master_port = match tls {
+            Some(_) => master.tls_port(),
+            None => master.port(),
+        };
         let proxy = if proxied {
             Some(crate::FaultProxy::to(format!("127.0.0.1:{master_port}")).await?)
         } else {
@@ -102,7 +138,8 @@ impl RedisSentinel {
         let monitored = proxy.as_ref().map_or(master_port, crate::FaultProxy::port);
         let mut servers = vec![master];
         for _ in 0..replicas {
-            let options = ServerOptions::default()
+            let options = server_options
+                .clone()
                 .arg("--replicaof")
                 .arg("127.0.0.1")
                 .arg(master_port.to_string());
@@ -112,11 +149,25 @@ impl RedisSentinel {
         for _ in 0..3 {
             let dir = tempfile::tempdir().map_err(|e| HarnessError(e.to_string()))?;
             let port = free_port()?;
+            let tls_port = match tls {
+                Some(_) => Some(free_port()?),
+                None => None,
+            };
+            let tls_conf = match (tls, tls_port) {
+                (Some(ca), Some(tls_port)) => format!(
+                    "tls-port {tls_port}\ntls-replication yes\ntls-auth-clients no\n\
+                     tls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n",
+                    ca.server_cert_path().display(),
+                    ca.server_key_path().display(),
+                    ca.ca_path().display()
+                ),
+                _ => String::new(),
+            };
             let conf = dir.path().join("sentinel.conf");
             std::fs::write(
                 &conf,
                 format!(
-                    "port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {}\n\
+                    "port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {}\n{tls_conf}\
                      sentinel monitor {SERVICE} 127.0.0.1 {monitored} 2\n\
                      sentinel down-after-milliseconds {SERVICE} 2000\n\
                      sentinel failover-timeout {SERVICE} 10000\n\
@@ -136,6 +187,7 @@ impl RedisSentinel {
             sentinels.push(SentinelProcess {
                 child,
                 port,
+                tls_port,
                 _dir: dir,
             });
         }

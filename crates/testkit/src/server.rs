@@ -30,6 +30,8 @@ pub struct ServerOptions {
     append_only: bool,
     cluster: bool,
     extra: Vec<String>,
+    /// TLS arguments (certificates, client authentication), and the TLS port once chosen.
+    tls: Option<(Vec<String>, Option<u16>)>,
 }
 
 impl ServerOptions {
@@ -55,6 +57,21 @@ impl ServerOptions {
         self
     }
 
+    /// Serve TLS too, on a port of its own ([`RedisServer::tls_url`]), with `ca`'s server
+    /// certificate; clients must present a certificate of `ca` when `mutual`. The plain port
+    /// stays open for the harness's own administration.
+    ///
+    /// ```
+    /// let ca = testkit::TestCa::new("doc").unwrap();
+    /// let opts = testkit::ServerOptions::default().tls(&ca, true);
+    /// assert!(opts.args().iter().any(|a| a == "--tls-auth-clients"));
+    /// ```
+    #[must_use]
+    pub fn tls(mut self, ca: &crate::TestCa, mutual: bool) -> Self {
+        self.tls = Some((ca.server_args(mutual), None));
+        self
+    }
+
     /// The persistence and extra arguments passed to `redis-server`.
     pub fn args(&self) -> Vec<String> {
         // DEBUG SLEEP lets tests slow the server down (loopback clients only).
@@ -76,6 +93,12 @@ impl ServerOptions {
             args.extend(
                 ["--cluster-enabled", "yes", "--cluster-node-timeout", "3000"].map(String::from),
             );
+        }
+        if let Some((tls, port)) = &self.tls {
+            args.extend(tls.iter().cloned());
+            if let Some(port) = port {
+                args.extend(["--tls-port".to_owned(), port.to_string()]);
+            }
         }
         args.extend(self.extra.iter().cloned());
         args
@@ -101,8 +124,9 @@ struct Process {
 /// A Redis server for one test.
 ///
 /// [`RedisServer::start`] takes, in order: `REDIS_URL` if set; else a `redis-server` binary on
-/// `PATH` (or `REDIS_SERVER_BIN`), started on a free loopback port with its own temp dir and no
-/// persistence, killed on drop; else a `redis:7` container when a Docker engine answers. If none
+/// `PATH` (or `REDIS_SERVER_BIN`, e.g. a `valkey-server`), started on a free loopback port with
+/// its own temp dir and no persistence, killed on drop (with `TESTKIT_ACL` set to ACL rules, its
+/// [`url`](Self::url) logs in as a user with only those rules); else a `redis:7` container when a Docker engine answers. If none
 /// works the test fails with a message that says how to fix it; it never passes silently.
 ///
 /// Fault injection ([`stop`](Self::stop), [`pause`](Self::pause), [`restart`](Self::restart))
@@ -124,7 +148,12 @@ pub struct RedisServer {
     kind: Kind,
     url: Mutex<String>,
     port: Mutex<u16>,
+    /// The URL handed to the test when it logs in as an ACL user (`TESTKIT_ACL`).
+    user_url: Mutex<Option<String>>,
 }
+
+/// The password of the ACL users the harness creates (loopback servers of one test only).
+const USER_PASSWORD: &str = "testkit-password";
 
 impl std::fmt::Debug for RedisServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -164,11 +193,19 @@ impl RedisServer {
                 kind: Kind::External,
                 url: Mutex::new(url),
                 port: Mutex::new(port),
+                user_url: Mutex::new(None),
             };
             server.wait_ready(Duration::from_secs(10)).await?;
             return Ok(server);
         }
-        Self::try_start_owned(ServerOptions::default()).await
+        let server = Self::try_start_owned(ServerOptions::default()).await?;
+        if let Ok(rules) = std::env::var("TESTKIT_ACL")
+            && !rules.trim().is_empty()
+        {
+            let url = server.acl_user("testkit", &rules).await;
+            *server.user_url.lock().unwrap() = Some(url);
+        }
+        Ok(server)
     }
 
     /// A server this test owns (never `REDIS_URL`), for fault injection.
@@ -222,15 +259,20 @@ impl RedisServer {
             } else {
                 free_port()?
             };
+            let mut options = options.clone();
+            if let Some((_, tls_port)) = &mut options.tls {
+                *tls_port = Some(free_port()?);
+            }
             let process = Process {
                 binary: binary.clone(),
                 dir,
-                options: options.clone(),
+                options,
                 child: Mutex::new(None),
             };
             let server = RedisServer {
                 url: Mutex::new(format!("redis://127.0.0.1:{port}/")),
                 port: Mutex::new(port),
+                user_url: Mutex::new(None),
                 kind: Kind::Process(Box::new(process)),
             };
             match server.launch().await {
@@ -309,9 +351,85 @@ impl RedisServer {
         )))
     }
 
-    /// The URL, e.g. `redis://127.0.0.1:40123/`.
+    /// The URL, e.g. `redis://127.0.0.1:40123/`. For a server from [`start`](Self::start)
+    /// while `TESTKIT_ACL` holds ACL rules, the URL of a user with only those rules (the
+    /// harness's own [`client`](Self::client) and [`connection`](Self::connection) keep the
+    /// default user's rights).
     pub fn url(&self) -> String {
+        if let Some(url) = self.user_url.lock().unwrap().as_ref() {
+            return url.clone();
+        }
+        self.admin_url()
+    }
+
+    fn admin_url(&self) -> String {
         self.url.lock().unwrap().clone()
+    }
+
+    /// The `rediss://` URL of a server started with [`ServerOptions::tls`].
+    ///
+    /// # Panics
+    /// If the server does not serve TLS.
+    pub fn tls_url(&self) -> String {
+        format!("rediss://127.0.0.1:{}/", self.tls_port())
+    }
+
+    /// The TLS port of a server started with [`ServerOptions::tls`].
+    ///
+    /// # Panics
+    /// If the server does not serve TLS.
+    pub fn tls_port(&self) -> u16 {
+        match &self.process("serve TLS").options.tls {
+            Some((_, Some(port))) => *port,
+            _ => panic!("the server was not started with ServerOptions::tls"),
+        }
+    }
+
+    /// Creates (or redefines) the ACL user `name` with `rules` (the part of an `ACL SETUSER` line
+    /// after the user name, e.g. `~app:* +get`), switched on with a password, and returns the
+    /// URL that logs in as it. The default user keeps every right, for the harness.
+    ///
+    /// ```no_run
+    /// # #[tokio::main]
+    /// # async fn main() {
+    /// let server = testkit::RedisServer::start_owned().await;
+    /// let url = server.acl_user("reader", "~app:* -@all +get").await;
+    /// assert!(url.starts_with("redis://reader:"));
+    /// # }
+    /// ```
+    pub async fn acl_user(&self, name: &str, rules: &str) -> String {
+        let mut conn = self.connection().await;
+        let mut cmd = redis::cmd("ACL");
+        cmd.arg("SETUSER").arg(name).arg("reset").arg("on");
+        cmd.arg(format!(">{USER_PASSWORD}"));
+        for rule in rules.split_whitespace() {
+            cmd.arg(rule);
+        }
+        let () = cmd
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("ACL SETUSER {name} {rules}: {e}"));
+        format!("redis://{name}:{USER_PASSWORD}@127.0.0.1:{}/", self.port())
+    }
+
+    /// The server's version as it reports it (`INFO server`): `("redis", "7.0.15")` or
+    /// `("valkey", "9.1.2")`.
+    pub async fn version(&self) -> (String, String) {
+        let mut conn = self.connection().await;
+        let info: String = redis::cmd("INFO")
+            .arg("server")
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("INFO server: {e}"));
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .map(|v| v.trim().to_owned())
+        };
+        match field("valkey_version:") {
+            Some(v) => ("valkey".into(), v),
+            None => ("redis".into(), field("redis_version:").unwrap_or_default()),
+        }
     }
 
     /// The TCP port.
@@ -321,7 +439,7 @@ impl RedisServer {
 
     /// A client for this server.
     pub fn client(&self) -> redis::Client {
-        redis::Client::open(self.url()).expect("the harness builds valid URLs")
+        redis::Client::open(self.admin_url()).expect("the harness builds valid URLs")
     }
 
     /// A multiplexed connection without a response timeout, for test administration such as
@@ -499,6 +617,7 @@ async fn start_container() -> Result<RedisServer, HarnessError> {
         kind: Kind::Container(Box::new(container)),
         url: Mutex::new(format!("redis://127.0.0.1:{port}/")),
         port: Mutex::new(port),
+        user_url: Mutex::new(None),
     };
     server.wait_ready(Duration::from_secs(30)).await?;
     Ok(server)

@@ -1,0 +1,88 @@
+//! The least-privilege ACL rules for a Redis user of the lock (see [the crate docs](crate#acl)).
+
+/// The commands the lock sends, directly or from its scripts, in `ACL SETUSER` form.
+const COMMANDS: &str = "-@all +evalsha +script|load +get +set +del +pexpire +pttl +type +hget \
+     +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex +llen +lrange +publish +subscribe \
+     +unsubscribe +wait +role +cluster|slots";
+
+/// The rules of an `ACL SETUSER` line (what follows the user name and its password) that let a
+/// Redis user do everything locks under `prefix` need, and nothing else: the commands the lock
+/// sends and its scripts call, the keys under `prefix:`, and the release channels under
+/// `prefix:`. Glob characters in the prefix are escaped. The same rules serve the
+/// `tower-idempotency` layer, whose default prefix is `idem`.
+///
+/// ```
+/// assert_eq!(
+///     distlock::acl_rules("myapp"),
+///     "resetkeys ~myapp:* resetchannels &myapp:* -@all +evalsha +script|load +get +set +del \
+///      +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex \
+///      +llen +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots"
+/// );
+/// // So a user is created with:
+/// // ACL SETUSER locks on >PASSWORD resetkeys ~myapp:* resetchannels &myapp:* -@all +evalsha ...
+/// assert!(distlock::acl_rules("a*b").contains("~a\\*b:*"));
+/// ```
+pub fn acl_rules(prefix: &str) -> String {
+    let pattern = if prefix.is_empty() {
+        // Without a prefix the keys are `{name}`, `{name}:state`, channels `{name}:rel`.
+        "{*".to_owned()
+    } else {
+        format!("{}:*", escape(prefix))
+    };
+    format!("resetkeys ~{pattern} resetchannels &{pattern} {COMMANDS}")
+}
+
+/// `text` with the glob characters of ACL patterns escaped.
+fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::COMMANDS;
+
+    /// Every command a script calls is in the rules (a script added or changed without its
+    /// command here fails for least-privilege users only, at run time).
+    #[test]
+    fn the_rules_name_every_command_the_scripts_call() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/backend/redis/scripts");
+        let allowed: Vec<&str> = COMMANDS.split_whitespace().collect();
+        let mut scripts = 0;
+        for file in std::fs::read_dir(dir).expect("the scripts directory") {
+            let path = file.expect("a directory entry").path();
+            if path.extension().is_none_or(|e| e != "lua") {
+                continue;
+            }
+            scripts += 1;
+            let text = std::fs::read_to_string(&path).expect("a readable script");
+            for call in ["redis.call(", "redis.pcall("] {
+                for rest in text.split(call).skip(1) {
+                    let command: String = rest
+                        .trim_start_matches(['\'', '"'])
+                        .chars()
+                        .take_while(char::is_ascii_alphabetic)
+                        .collect();
+                    assert!(
+                        !command.is_empty(),
+                        "{}: a computed command",
+                        path.display()
+                    );
+                    let rule = format!("+{}", command.to_ascii_lowercase());
+                    assert!(
+                        allowed.contains(&rule.as_str()),
+                        "{} calls {command}, which the ACL rules do not allow",
+                        path.display()
+                    );
+                }
+            }
+        }
+        assert!(scripts >= 10, "found {scripts} scripts in {dir}");
+    }
+}
