@@ -821,13 +821,13 @@ async fn a_lagging_node_is_raised_in_the_background() {
     assert!(guard.release().await.unwrap());
     // With the two nodes that drew 51 down in turn, the fence still grows.
     let mut last = 51;
-    for down in 0..2 {
-        n[down].stop().await;
+    for down in &n[..2] {
+        down.stop().await;
         let guard = acquire(&lock, Duration::from_secs(10)).await;
         assert!(guard.fence() > last, "{} after {last}", guard.fence());
         last = guard.fence();
         let _ = guard.release().await;
-        n[down].restart().await;
+        down.restart().await;
     }
 }
 
