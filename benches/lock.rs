@@ -22,13 +22,61 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::ops::{UNLOCK, ours_pair, raw_pair, rslock_pair, scripts_pair};
+use common::ops::{
+    AltScripts, Alternative, Release, UNLOCK, alternative_pair, ours_pair, process_cpu, raw_pair,
+    rslock_pair, scripts_pair,
+};
 use common::{Mode, Series, percentile_us, row};
 use distlock::{LockClient, LockConfig};
 use futures_util::StreamExt;
 use testkit::RedisServer;
 
 const TASKS: usize = 64;
+
+/// The ways of sending a fenced acquire + release compared in section 1's alternatives table,
+/// each sent with the plain client by 64 tasks on distinct keys.
+const ALTERNATIVES: [(&str, Alternative, Release); 8] = [
+    (
+        "Lua script + release with PUBLISH (before)",
+        Alternative::Script,
+        Release::Publish,
+    ),
+    (
+        "smallest Lua script + release with PUBLISH",
+        Alternative::SmallScript,
+        Release::Publish,
+    ),
+    (
+        "Redis 7 function (FCALL) for both",
+        Alternative::Function,
+        Release::Publish,
+    ),
+    (
+        "MULTI/EXEC HINCRBY + SET NX PX + release with PUBLISH",
+        Alternative::Multi,
+        Release::Publish,
+    ),
+    (
+        "pipelined HINCRBY + SET NX PX, no MULTI (unsafe) + release with PUBLISH",
+        Alternative::Pipeline,
+        Release::Publish,
+    ),
+    (
+        "Lua script + release without PUBLISH",
+        Alternative::Script,
+        Release::Plain,
+    ),
+    (
+        "MULTI/EXEC + release publishing only when a waiter marked the lock",
+        Alternative::Multi,
+        Release::PublishIfMarked,
+    ),
+    (
+        "MULTI/EXEC + release without PUBLISH",
+        Alternative::Multi,
+        Release::Plain,
+    ),
+];
 
 /// Operations per second of `op`, run back to back for `window` after a warm-up.
 async fn sequential<F, Fut>(mode: Mode, mut op: F) -> f64
@@ -49,8 +97,19 @@ where
     n as f64 / start.elapsed().as_secs_f64()
 }
 
-/// Total operations per second of `TASKS` tasks running `make(i)` in loops.
-async fn concurrent<F, Fut>(mode: Mode, make: F) -> f64
+/// What one concurrent window measured.
+#[derive(Debug, Clone, Copy)]
+struct Measured {
+    ops_per_s: f64,
+    /// CPU time of `redis-server` per operation, µs.
+    server_us: f64,
+    /// CPU time of this process (the client) per operation, µs.
+    client_us: f64,
+}
+
+/// Total operations per second of `TASKS` tasks running `make(i)` in loops, and the CPU time
+/// the server (`pid`) and this process spent per operation meanwhile.
+async fn concurrent<F, Fut>(mode: Mode, pid: u32, make: F) -> Measured
 where
     F: Fn(usize) -> Box<dyn FnMut() -> Fut + Send>,
     Fut: Future<Output = ()> + Send + 'static,
@@ -76,10 +135,46 @@ where
             }
         }));
     }
+    let pid = pid.to_string();
+    tokio::time::sleep_until(measure_from.into()).await;
+    let (server0, client0) = (process_cpu(&pid), process_cpu("self"));
+    tokio::time::sleep_until(end.into()).await;
+    let (server1, client1) = (process_cpu(&pid), process_cpu("self"));
     for t in tasks {
         t.await.unwrap();
     }
-    count.load(Ordering::Relaxed) as f64 / mode.window.as_secs_f64()
+    let ops = count.load(Ordering::Relaxed) as f64;
+    let per_op = |d: Duration| d.as_secs_f64() * 1e6 / ops.max(1.0);
+    Measured {
+        ops_per_s: ops / mode.window.as_secs_f64(),
+        server_us: per_op(server1 - server0),
+        client_us: per_op(client1 - client0),
+    }
+}
+
+/// The figures of one concurrent variant over the rounds.
+#[derive(Debug, Clone, Default)]
+struct Con {
+    ops: Series,
+    server_us: Series,
+    client_us: Series,
+}
+
+impl Con {
+    fn push(&mut self, m: Measured) {
+        self.ops.push(m.ops_per_s);
+        self.server_us.push(m.server_us);
+        self.client_us.push(m.client_us);
+    }
+
+    /// "server µs + client µs" CPU per operation, medians.
+    fn cpu(&self) -> String {
+        format!(
+            "{:.1} + {:.1}",
+            self.server_us.median(),
+            self.client_us.median()
+        )
+    }
 }
 
 /// Client requests seen by `MONITOR` while `work` runs (commands issued by scripts excluded).
@@ -207,15 +302,36 @@ async fn run(mode: Mode) {
         .lock("seq-unfenced")
         .unwrap();
     let triple = ours3.lock("seq").unwrap();
+    let alt_scripts = AltScripts::load(&mut conn.clone()).await;
+    let mut alternatives: Vec<Con> = vec![Con::default(); ALTERNATIVES.len()];
+    let pid = server.pid().expect("the bench starts its own redis-server");
 
     let (mut raw_seq, mut ours_seq, mut rs_seq) =
         (Series::default(), Series::default(), Series::default());
-    let (mut scripts_seq, mut scripts_con) = (Series::default(), Series::default());
+    let (mut scripts_seq, mut scripts_con) = (Series::default(), Con::default());
     let (mut unf_seq, mut unf_con, mut unf_rl) =
-        (Series::default(), Series::default(), Series::default());
-    let (mut raw_con, mut ours_con, mut rs_con) =
-        (Series::default(), Series::default(), Series::default());
+        (Series::default(), Con::default(), Series::default());
+    let (mut raw_con, mut ours_con, mut rs_con) = (Con::default(), Con::default(), Con::default());
     let (mut ours_rl, mut rs_rl) = (Series::default(), Series::default());
+    // For profiling: `BENCH_PROFILE=<text>` runs only the alternatives whose label contains it,
+    // for `BENCH_WINDOW_MS` each, and prints nothing else.
+    if let Ok(filter) = std::env::var("BENCH_PROFILE") {
+        for (label, acquire, release) in ALTERNATIVES {
+            if label.contains(&filter) {
+                let m = concurrent(mode, pid, |i| {
+                    let (conn, scripts) = (conn.clone(), alt_scripts.clone());
+                    let key = format!("alt:{i}");
+                    Box::new(move || {
+                        let (mut c, s, k) = (conn.clone(), scripts.clone(), key.clone());
+                        async move { alternative_pair(&mut c, &s, acquire, release, &k).await }
+                    })
+                })
+                .await;
+                println!("{label}: {m:?}");
+            }
+        }
+        return;
+    }
     for round in 0..mode.rounds {
         eprintln!("round {}/{}", round + 1, mode.rounds);
         let mut c = conn.clone();
@@ -242,7 +358,7 @@ async fn run(mode: Mode) {
         rs_rl.push(sequential(mode, || rslock_pair(&rs3, "rs3:seq")).await);
 
         raw_con.push(
-            concurrent(mode, |i| {
+            concurrent(mode, pid, |i| {
                 let (conn, script) = (conn.clone(), script.clone());
                 let key = format!("raw:{i}");
                 Box::new(move || {
@@ -253,7 +369,7 @@ async fn run(mode: Mode) {
             .await,
         );
         scripts_con.push(
-            concurrent(mode, |i| {
+            concurrent(mode, pid, |i| {
                 let (conn, a, r) = (conn.clone(), acquire_lua.clone(), release_lua.clone());
                 let key = format!("scripts:{i}");
                 Box::new(move || {
@@ -264,7 +380,7 @@ async fn run(mode: Mode) {
             .await,
         );
         ours_con.push(
-            concurrent(mode, |i| {
+            concurrent(mode, pid, |i| {
                 let lock = ours.lock(&format!("con{i}")).unwrap();
                 Box::new(move || {
                     let lock = lock.clone();
@@ -274,7 +390,7 @@ async fn run(mode: Mode) {
             .await,
         );
         unf_con.push(
-            concurrent(mode, |i| {
+            concurrent(mode, pid, |i| {
                 let lock = unfenced_client.lock(&format!("unf{i}")).unwrap();
                 Box::new(move || {
                     let lock = lock.clone();
@@ -283,8 +399,21 @@ async fn run(mode: Mode) {
             })
             .await,
         );
+        for (series, (_, acquire, release)) in alternatives.iter_mut().zip(ALTERNATIVES) {
+            series.push(
+                concurrent(mode, pid, |i| {
+                    let (conn, scripts) = (conn.clone(), alt_scripts.clone());
+                    let key = format!("alt:{i}");
+                    Box::new(move || {
+                        let (mut c, s, k) = (conn.clone(), scripts.clone(), key.clone());
+                        async move { alternative_pair(&mut c, &s, acquire, release, &k).await }
+                    })
+                })
+                .await,
+            );
+        }
         rs_con.push(
-            concurrent(mode, |i| {
+            concurrent(mode, pid, |i| {
                 let manager = rs1.clone();
                 let key = format!("rs:{i}");
                 Box::new(move || {
@@ -362,27 +491,27 @@ async fn run(mode: Mode) {
     ]);
     row(&[
         "uncontended, 64 tasks: our scripts sent raw / raw limit",
-        &ops(&scripts_con),
-        &ops(&raw_con),
-        &scripts_con.ratio(&raw_con).fmt_ratio(),
+        &ops(&scripts_con.ops),
+        &ops(&raw_con.ops),
+        &scripts_con.ops.ratio(&raw_con.ops).fmt_ratio(),
     ]);
     row(&[
         "uncontended, 64 tasks: ours / our scripts sent raw",
-        &ops(&ours_con),
-        &ops(&scripts_con),
-        &ours_con.ratio(&scripts_con).fmt_ratio(),
+        &ops(&ours_con.ops),
+        &ops(&scripts_con.ops),
+        &ours_con.ops.ratio(&scripts_con.ops).fmt_ratio(),
     ]);
     row(&[
         "uncontended, 64 tasks: ours / raw limit",
-        &ops(&ours_con),
-        &ops(&raw_con),
-        &ours_con.ratio(&raw_con).fmt_ratio(),
+        &ops(&ours_con.ops),
+        &ops(&raw_con.ops),
+        &ours_con.ops.ratio(&raw_con.ops).fmt_ratio(),
     ]);
     row(&[
         "uncontended, 64 tasks: ours / rslock",
-        &ops(&ours_con),
-        &ops(&rs_con),
-        &ours_con.ratio(&rs_con).fmt_ratio(),
+        &ops(&ours_con.ops),
+        &ops(&rs_con.ops),
+        &ours_con.ops.ratio(&rs_con.ops).fmt_ratio(),
     ]);
     let latency = |s: &Series| Series(s.0.iter().map(|ops| 1e6 / ops).collect());
     row(&[
@@ -411,15 +540,15 @@ async fn run(mode: Mode) {
     ]);
     row(&[
         "fencing off: uncontended, 64 tasks: ours / raw limit",
-        &ops(&unf_con),
-        &ops(&raw_con),
-        &unf_con.ratio(&raw_con).fmt_ratio(),
+        &ops(&unf_con.ops),
+        &ops(&raw_con.ops),
+        &unf_con.ops.ratio(&raw_con.ops).fmt_ratio(),
     ]);
     row(&[
         "fencing off: uncontended, 64 tasks: ours / rslock",
-        &ops(&unf_con),
-        &ops(&rs_con),
-        &unf_con.ratio(&rs_con).fmt_ratio(),
+        &ops(&unf_con.ops),
+        &ops(&rs_con.ops),
+        &unf_con.ops.ratio(&rs_con.ops).fmt_ratio(),
     ]);
     row(&[
         "fencing off: Redlock 3 masters / 1, latency: ours",
@@ -433,6 +562,46 @@ async fn run(mode: Mode) {
         "",
         &latency(&unf_rl).ratio(&latency(&rs_rl)).fmt_ratio(),
     ]);
+    println!(
+        "\n### Fenced acquire + release, sent with the plain client, {TASKS} tasks on distinct keys\n"
+    );
+    row(&[
+        "way",
+        "ops/s",
+        "CPU µs per pair: server + client",
+        "/ the Lua script as it was",
+        "/ raw limit",
+        "/ rslock",
+    ]);
+    row(&["---", "---", "---", "---", "---", "---"]);
+    for ((label, _, _), series) in ALTERNATIVES.iter().zip(&alternatives) {
+        row(&[
+            label,
+            &ops(&series.ops),
+            &series.cpu(),
+            &series.ops.ratio(&alternatives[0].ops).fmt_ratio(),
+            &series.ops.ratio(&raw_con.ops).fmt_ratio(),
+            &series.ops.ratio(&rs_con.ops).fmt_ratio(),
+        ]);
+    }
+    for (label, series) in [
+        (
+            "(reference) raw limit: SET NX PX + compare-and-delete, unfenced",
+            &raw_con,
+        ),
+        ("(reference) rslock, unfenced", &rs_con),
+        ("(reference) ours, the crate, fenced", &ours_con),
+        ("(reference) ours, the crate, fencing off", &unf_con),
+    ] {
+        row(&[
+            label,
+            &ops(&series.ops),
+            &series.cpu(),
+            &series.ops.ratio(&alternatives[0].ops).fmt_ratio(),
+            &series.ops.ratio(&raw_con.ops).fmt_ratio(),
+            &series.ops.ratio(&rs_con.ops).fmt_ratio(),
+        ]);
+    }
     println!("\n### Contention: {TASKS} tasks on one key, {window:?} per round\n");
     row(&[
         "figure",

@@ -261,7 +261,8 @@ impl LockClient {
 
     /// Waits, at most `within`, until this client's background work is done: the releases of
     /// dropped guards and the cleanups of acquisitions that failed ambiguously or were
-    /// dropped in flight. Returns whether it all finished. Call it before a process exits: the
+    /// dropped in flight (and, on Redlock, the background raises of lagging fence counters).
+    /// Returns whether it all finished. Call it before a process exits: the
     /// runtime going away cancels that work, and the locks it would have freed then stay held
     /// until their leases end.
     ///

@@ -97,16 +97,30 @@
 //! * Renewal and completion count only when a quorum confirms; the watchdog measures validity
 //!   from when the renewal was sent, so the loss signal fires on time even if confirmations
 //!   come late.
-//! * **Fencing tokens**: each master's acquisition draws its counter + 1; the fence is the
-//!   largest, written back to every master of the quorum while the lock is held there; the
-//!   acquisition fails unless a quorum confirms the write-back. Why the next holder's fence is
-//!   greater: the previous holder's write-back reached a quorum W while it held the lock on those
-//!   masters; the next holder's quorum Q can only take a master after that lock is gone there,
-//!   so after the write-back; W and Q intersect (two majorities do), and on a master in the
-//!   intersection the next counter starts at the previous fence or above. This needs the masters
-//!   in those intersections to keep their data: with `appendfsync always` on every master,
-//!   tokens never repeat. A master that restarts empty keeps the lock safe under the restart rule
-//!   below, but if it is the only master two successive quorums share, a token can repeat once.
+//! * **Fencing tokens**: each master's acquisition draws its counter + 1, atomically with taking
+//!   the lock there; the fence F is the largest counter drawn. The next holder's fence is greater
+//!   as long as F is *recorded* (a counter at F or above) on a quorum R of masters, each while
+//!   the lock there is held: the next holder's quorum Q can only take a master after that lock is
+//!   gone there, so after the record; R and Q intersect (two majorities do), counters never go
+//!   down, and on a master in the intersection the next draw exceeds F.
+//!   - The masters that drew F recorded it by their own acquisition. When they are a quorum (the
+//!     normal case: every acquisition reaches every master and they draw the same counter), the
+//!     fenced acquisition is **one round**, with no write-back.
+//!   - When fewer than a quorum drew F (masters that missed acquisitions, restarted, or split
+//!     between contenders), F is written back to the others that took the lock before the lock
+//!     is used, raising their counters only while the lock there is ours; the acquisition fails
+//!     unless the masters that drew F and those that confirm the write-back are a quorum.
+//!   - When a quorum drew F, the masters that took the lock but drew less are raised to F in the
+//!     background. Safety does not wait for it (R is a quorum already); it brings them level so
+//!     the next acquisition is one round again. A raise that lands late (the lock released and
+//!     taken by someone else, or again by the same reentrant owner) changes nothing harmful: it
+//!     acts only while the lock there is the raise's own, and only ever raises; a higher counter
+//!     only makes later fences larger.
+//!
+//!   This needs the masters in those intersections to keep their data: with `appendfsync always`
+//!   on every master, tokens never repeat. A master that restarts empty keeps the lock safe under
+//!   the restart rule below, but if it is the only master of R the next quorum includes, the next
+//!   fence comes from the other masters' counters, which may lag: a token can repeat or go back.
 //!   (No majority-quorum scheme can do better: tolerating the loss of a node's data needs
 //!   quorums that overlap in two nodes.)
 //! * **Restart rule**: a master that crashes and comes back without the keys it had can hand a

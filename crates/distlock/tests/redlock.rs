@@ -628,3 +628,405 @@ async fn leases_outlived_while_masters_fail_with_a_seeded_schedule() {
         failed("the schedule never reached the fence write-back case".into());
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The fence write-back, and when it can be skipped. A holder's fence must be recorded (the
+// node's counter at the fence or above) on a quorum of nodes while it holds the lock there, so
+// that every later quorum meets one such node and draws a larger fence. Nodes that drew the
+// largest counter record it by their own acquisition; only when fewer than a quorum did must
+// the fence be written back before the lock is used.
+
+/// A client whose node timeout (400 ms) leaves a loaded machine's local servers ample time, so
+/// that the exact fences these tests expect are not shifted by a retried attempt.
+async fn patient(n: &[RedisServer], prefix: &str) -> LockClient {
+    redlock_with(n, prefix, config(5_000), ms(400)).await
+}
+
+/// The fencing counter of `state_key` on each node (`None`: unreachable; 0: no counter).
+async fn counters(n: &[RedisServer], state_key: &str) -> Vec<Option<u64>> {
+    let mut out = Vec::new();
+    for node in n {
+        let read = async {
+            let mut c = node
+                .client()
+                .get_multiplexed_async_connection()
+                .await
+                .ok()?;
+            let v: Option<u64> = c.hget(state_key, "n").await.ok()?;
+            Some(v.unwrap_or(0))
+        };
+        out.push(tokio::time::timeout(ms(300), read).await.ok().flatten());
+    }
+    out
+}
+
+async fn set_counter(node: &RedisServer, state_key: &str, value: u64) {
+    let mut c = node.connection().await;
+    let _: () = c.hset(state_key, "n", value).await.unwrap();
+}
+
+/// How many nodes hold a counter at `fence` or above.
+fn recorded(counters: &[Option<u64>], fence: u64) -> usize {
+    counters
+        .iter()
+        .filter(|c| c.is_some_and(|c| c >= fence))
+        .count()
+}
+
+/// The SHA-1 of `fence_sync.lua`, as `EVALSHA` names it.
+fn fence_sync_sha() -> String {
+    redis::Script::new(include_str!("../src/backend/redis/scripts/fence_sync.lua"))
+        .get_hash()
+        .to_owned()
+}
+
+/// Counts, with MONITOR, the commands naming `needle` that a node receives (commands run inside
+/// scripts excluded) until [`Watch::count`].
+struct Watch {
+    seen: Arc<std::sync::atomic::AtomicUsize>,
+    ended: Arc<std::sync::atomic::AtomicBool>,
+    end: String,
+    task: tokio::task::JoinHandle<()>,
+}
+
+async fn watch_for(node: &RedisServer, needle: String) -> Watch {
+    use futures_util::StreamExt;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let monitor = node.client().get_async_monitor().await.unwrap();
+    let seen = Arc::new(AtomicUsize::new(0));
+    let ended = Arc::new(AtomicBool::new(false));
+    let end = format!("end-of-watch-{}", testkit::unique_prefix("w"));
+    let task = tokio::spawn({
+        let (seen, ended, needle, end) = (seen.clone(), ended.clone(), needle.clone(), end.clone());
+        async move {
+            let mut stream = monitor.into_on_message::<String>();
+            while let Some(line) = stream.next().await {
+                if line.contains(&end) {
+                    ended.store(true, Ordering::Release);
+                } else if line.contains(&needle) && !line.contains(" lua]") {
+                    seen.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    });
+    // MONITOR is on once a command shows up in it.
+    let mut c = node.connection().await;
+    let _: () = redis::cmd("ECHO")
+        .arg(&needle)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while seen.load(Ordering::Relaxed) == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "MONITOR never showed the first command"
+        );
+        tokio::time::sleep(ms(10)).await;
+    }
+    Watch {
+        seen,
+        ended,
+        end,
+        task,
+    }
+}
+
+impl Watch {
+    /// The commands seen so far on `node` (the one watched): MONITOR shows commands in the order
+    /// the server ran them, so once a marker sent now shows up, every earlier one has.
+    async fn count(self, node: &RedisServer) -> usize {
+        use std::sync::atomic::Ordering;
+        let mut c = node.connection().await;
+        let _: () = redis::cmd("ECHO")
+            .arg(&self.end)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !self.ended.load(Ordering::Acquire) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "MONITOR never showed the end marker"
+            );
+            tokio::time::sleep(ms(10)).await;
+        }
+        self.task.abort();
+        // Less the ECHO that showed MONITOR was on.
+        self.seen.load(Ordering::Relaxed) - 1
+    }
+}
+
+/// Nodes whose counters agree (the normal case: every acquisition reaches every node) need no
+/// write-back: the acquisition is one round, and no `fence_sync` is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agreeing_quorum_takes_the_lock_in_one_round() {
+    let n = nodes(3, false).await;
+    let prefix = testkit::unique_prefix("rl-agree");
+    let client = patient(&n, &prefix).await;
+    let lock = client.lock("k").unwrap();
+    let sha = fence_sync_sha();
+    let mut watches = Vec::new();
+    for node in &n {
+        watches.push(watch_for(node, sha.clone()).await);
+    }
+    let mut last = 0;
+    for _ in 0..5 {
+        let guard = try_acquire(&lock).await.unwrap();
+        assert!(guard.fence() > last, "{} after {last}", guard.fence());
+        last = guard.fence();
+        let counters = counters(&n, lock.name().state_key()).await;
+        assert_eq!(counters, vec![Some(last); 3], "every node drew the fence");
+        assert!(guard.release().await.unwrap());
+    }
+    let mut sent = Vec::new();
+    for (watch, node) in watches.into_iter().zip(&n) {
+        sent.push(watch.count(node).await);
+    }
+    assert_eq!(
+        sent,
+        vec![0; 3],
+        "fence_sync sent although every node drew the same fence"
+    );
+}
+
+/// A quorum that agrees while a third node lags (it missed acquisitions): the fence is the
+/// quorum's, with no write-back round; the lagging node is raised to it in the background
+/// while the lock is held, so that it does not stay behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lagging_node_is_raised_in_the_background() {
+    let n = nodes(3, false).await;
+    let prefix = testkit::unique_prefix("rl-lagging");
+    let client = patient(&n, &prefix).await;
+    let lock = client.lock("k").unwrap();
+    let state = lock.name().state_key().to_owned();
+    set_counter(&n[0], &state, 50).await;
+    set_counter(&n[1], &state, 50).await;
+    set_counter(&n[2], &state, 10).await;
+    let guard = try_acquire(&lock).await.unwrap();
+    assert_eq!(guard.fence(), 51, "the largest counter of the quorum, + 1");
+    let mut raised = false;
+    for _ in 0..100 {
+        if counters(&n, &state).await == vec![Some(51); 3] {
+            raised = true;
+            break;
+        }
+        tokio::time::sleep(ms(20)).await;
+    }
+    assert!(
+        raised,
+        "the lagging node was not raised to the fence while the lock was held: {:?}",
+        counters(&n, &state).await
+    );
+    assert!(guard.release().await.unwrap());
+    // With the two nodes that drew 51 down in turn, the fence still grows.
+    let mut last = 51;
+    for down in &n[..2] {
+        down.stop().await;
+        let guard = acquire(&lock, Duration::from_secs(10)).await;
+        assert!(guard.fence() > last, "{} after {last}", guard.fence());
+        last = guard.fence();
+        let _ = guard.release().await;
+        down.restart().await;
+    }
+}
+
+/// The quorum disagrees and fewer than a quorum drew the fence: it is written back to the
+/// others before the lock is used, so that a later quorum without the node that drew it still
+/// draws a larger one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disagreeing_quorum_writes_the_fence_back_before_the_lock_is_used() {
+    let n = nodes(3, false).await;
+    let prefix = testkit::unique_prefix("rl-disagree");
+    let client = patient(&n, &prefix).await;
+    let lock = client.lock("k").unwrap();
+    let state = lock.name().state_key().to_owned();
+    set_counter(&n[0], &state, 5).await;
+    set_counter(&n[1], &state, 100).await;
+    set_counter(&n[2], &state, 5).await;
+    let guard = try_acquire(&lock).await.unwrap();
+    assert_eq!(guard.fence(), 101);
+    // Read at once, before anything in the background could have run: the write-back is part
+    // of the acquisition.
+    let now = counters(&n, &state).await;
+    assert!(
+        recorded(&now, 101) >= 2,
+        "the fence is recorded on fewer than a quorum while the lock is held: {now:?}"
+    );
+    assert!(guard.release().await.unwrap());
+    n[1].stop().await;
+    let guard = acquire(&lock, Duration::from_secs(10)).await;
+    assert!(
+        guard.fence() > 101,
+        "without the node that drew 101, the next fence is {}",
+        guard.fence()
+    );
+    assert!(guard.release().await.unwrap());
+}
+
+/// A node that is frozen during the acquisition misses the write-back; the quorum's other node
+/// got it, so a later quorum of the lagging node and that one draws a larger fence, and the
+/// lagging node is brought up to it then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_missed_the_write_back_is_covered_by_the_quorum() {
+    let n = nodes(3, false).await;
+    let prefix = testkit::unique_prefix("rl-missed");
+    let client = patient(&n, &prefix).await;
+    let lock = client.lock("k").unwrap();
+    let state = lock.name().state_key().to_owned();
+    set_counter(&n[0], &state, 100).await;
+    set_counter(&n[1], &state, 5).await;
+    set_counter(&n[2], &state, 5).await;
+    n[2].pause().await;
+    let first = try_acquire(&lock).await.unwrap();
+    assert_eq!(first.fence(), 101);
+    let now = counters(&n[..2], &state).await;
+    assert_eq!(
+        now,
+        vec![Some(101), Some(101)],
+        "the fence was not written back to the other quorum member"
+    );
+    assert!(first.release().await.unwrap());
+    n[2].resume().await;
+    n[0].stop().await;
+    let second = acquire(&lock, Duration::from_secs(10)).await;
+    assert!(
+        second.fence() > 101,
+        "a quorum of the node that missed the write-back and one that got it drew {}",
+        second.fence()
+    );
+    let now = counters(&n[1..], &state).await;
+    assert!(
+        recorded(&now, second.fence()) == 2,
+        "the lagging node was not brought up to the fence: {now:?}"
+    );
+    assert!(second.release().await.unwrap());
+}
+
+/// A node restarted empty (its counter gone) lags behind by the whole count. With one node
+/// restarted empty at a time, while the others keep theirs, every majority includes a node that
+/// recorded the last fence, and the restarted one is brought up to it (written back when the
+/// quorum is that node and one other): fences never go back. (Two nodes losing their data in
+/// turn before the lagging one is raised can: the crate docs say so.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_node_restarted_empty_at_a_time_never_takes_a_fence_back() {
+    let n = nodes(3, false).await;
+    let prefix = testkit::unique_prefix("rl-empty");
+    let client = patient(&n, &prefix).await;
+    let lock = client.lock("k").unwrap();
+    let mut last = 0;
+    for _ in 0..5 {
+        let guard = try_acquire(&lock).await.unwrap();
+        last = guard.fence();
+        assert!(guard.release().await.unwrap());
+    }
+    n[0].restart().await;
+    // Every majority in turn: {0, 1, 2}, then {0, 2}, {0, 1}, {1, 2}.
+    for down in [None, Some(1), Some(2), Some(0)] {
+        if let Some(d) = down {
+            n[d].stop().await;
+        }
+        let guard = acquire(&lock, Duration::from_secs(10)).await;
+        assert!(
+            guard.fence() > last,
+            "fence {} after {last} (node 0 restarted empty; down: {down:?})",
+            guard.fence()
+        );
+        last = guard.fence();
+        assert!(guard.release().await.unwrap());
+        if let Some(d) = down {
+            // Restarted empty as well (no lock is held on it).
+            n[d].restart().await;
+        }
+    }
+}
+
+/// A background raise is sent after the acquisition returned, so it can land late: after the
+/// lock was released and taken again, by someone else or by the same reentrant owner with a
+/// newer fence. It must then change nothing that matters: it raises no counter for a lock that
+/// is not ours, and it never lowers the fence a reentrant hold records (re-entries return it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_background_raise_never_lowers_a_fence() {
+    let n = nodes(3, false).await;
+    let prefix = testkit::unique_prefix("rl-late-raise");
+    let client = patient(&n, &prefix).await;
+    let fence_sync =
+        redis::Script::new(include_str!("../src/backend/redis/scripts/fence_sync.lua"));
+
+    // Reentrant: the owner's first hold has fence 51 (node 2 lagging), its next one 52.
+    let me = distlock::OwnerId::new("rl-late-raise-owner").unwrap();
+    let lock = client.reentrant("r", &me).unwrap();
+    let (key, state) = (
+        lock.name().lock_key().to_owned(),
+        lock.name().state_key().to_owned(),
+    );
+    set_counter(&n[0], &state, 50).await;
+    set_counter(&n[1], &state, 50).await;
+    set_counter(&n[2], &state, 10).await;
+    let first = try_acquire(&lock).await.unwrap();
+    assert_eq!(first.fence(), 51);
+    assert!(first.release().await.unwrap());
+    let second = try_acquire(&lock).await.unwrap();
+    assert!(second.fence() > 51, "{}", second.fence());
+    // Node 2 lagged for both holds: wait until the second hold's own raise reached it.
+    let mut c = n[2].connection().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let f: Option<u64> = c.hget(&key, "f").await.unwrap();
+        if f == Some(second.fence()) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "node 2 never recorded the second hold's fence: {f:?}"
+        );
+        tokio::time::sleep(ms(10)).await;
+    }
+    let recorded = second.fence();
+    // The first hold's raise, landing now: the lock there is the same owner's.
+    let mine: i64 = fence_sync
+        .key(&key)
+        .key(&state)
+        .arg(me.as_str())
+        .arg(51)
+        .arg("r")
+        .invoke_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(mine, 1);
+    let after: u64 = c.hget(&key, "f").await.unwrap();
+    assert_eq!(after, recorded, "a late raise lowered the hold's fence");
+    let again = try_acquire(&lock).await.unwrap();
+    assert_eq!(
+        again.fence(),
+        second.fence(),
+        "a re-entry returns the hold's fence"
+    );
+    assert!(again.release().await.unwrap());
+    assert!(second.release().await.unwrap());
+
+    // Exclusive: the lock is someone else's by the time the raise lands: nothing changes.
+    let lock = client.lock("x").unwrap();
+    let (key, state) = (
+        lock.name().lock_key().to_owned(),
+        lock.name().state_key().to_owned(),
+    );
+    let guard = try_acquire(&lock).await.unwrap();
+    let before: u64 = c.hget(&state, "n").await.unwrap();
+    let theirs: i64 = fence_sync
+        .key(&key)
+        .key(&state)
+        .arg("a token of a released hold")
+        .arg(before + 100)
+        .arg("x")
+        .invoke_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(theirs, 0, "the lock there is not the raise's");
+    let now: u64 = c.hget(&state, "n").await.unwrap();
+    assert_eq!(
+        now, before,
+        "a raise for a lock that is not ours changed the counter"
+    );
+    assert!(guard.release().await.unwrap());
+}

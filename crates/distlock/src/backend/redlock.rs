@@ -7,17 +7,42 @@
 //!   measured with `Instant`), is positive. Otherwise it is released on **all** nodes, including
 //!   those that seemed to fail (their command may have run after the timeout), and the caller
 //!   retries after a random delay (the waiting backoff has full jitter).
-//! * **Fencing**: each node's acquisition draws that node's counter + 1; the fence is the largest
-//!   of them, and it is written back to every node of the quorum while the lock is held there
-//!   (`fence_sync.lua`). The acquisition fails unless a quorum confirms that write. Argument:
-//!   holder A's write-back reached a quorum W_A while A held the lock on those nodes; a later
-//!   holder B takes a quorum Q_B only where the lock is free, hence after A's write on each node
-//!   of W_A ∩ Q_B, which is not empty (two majorities intersect). On such a node B's counter
-//!   starts at A's fence or above, so B's fence is greater. This holds as long as the nodes in
-//!   those intersections keep their data: run the nodes with `appendfsync always` for fencing
-//!   tokens that never repeat. A node that restarts empty keeps the *lock* safe under the
-//!   delayed-restart rule, but its counter starts again, and if it is the only node two
-//!   successive quorums share, a fence can repeat once.
+//! * **Fencing**: each node's acquisition draws that node's counter + 1, in the script that takes
+//!   the lock there; the fence F is the largest counter drawn. What the next holder's larger
+//!   fence needs is F *recorded* (the node's counter at F or above) on a quorum R_A of nodes,
+//!   each at a time the lock there was A's. Argument: a later holder B takes a quorum Q_B only
+//!   where the lock is free, hence after A's hold there ended, after the record, on each node of
+//!   R_A ∩ Q_B, which is not empty (two majorities intersect); counters never go down, so on such
+//!   a node B draws more than F, and B's fence, the largest of its draws, is greater than F.
+//!   - A node that drew F recorded it by its own acquisition, atomically with taking the lock.
+//!     When a quorum of nodes drew F, R_A is there when the replies are: no write-back, and the
+//!     fenced acquisition is one round, like the unfenced one. This is the normal case: every
+//!     acquisition reaches every node and they all draw the same counter.
+//!   - Only when fewer than a quorum drew F (nodes lag: one missed acquisitions while it was
+//!     down, frozen or slow, or restarted empty, or contenders split the nodes) is F written
+//!     back (`fence_sync.lua`) to the other nodes that took the lock, before the lock is used: a
+//!     second round, and the acquisition fails unless the nodes that drew F and those that
+//!     confirm the write-back are a quorum. The script raises the counter only while the lock
+//!     there is ours, so a confirmed write-back is a record in the sense above.
+//!   - When a quorum drew F, the other nodes that took the lock but drew less are raised to F
+//!     in the background (the same script), which the holder does not wait for. Safety does not
+//!     need it (R_A is a quorum already); it brings the lagging nodes level so that the next
+//!     acquisition finds the nodes agreeing (one round again), and so that more than a bare
+//!     quorum records F (see restarts below). A raise that lands late, after A released and
+//!     someone else, or A's own reentrant owner with a newer fence, took the lock there, does
+//!     nothing harmful: the script acts only while the lock there is the raise's own (token, or
+//!     owner id for reentrant locks), it only ever raises (the counter, and the fence a
+//!     reentrant hold records), and a higher counter can only make later fences larger. The
+//!     task is spawned as the acquisition returns (a dropped acquisition spawns none), holds no
+//!     lock, is bounded by the node timeout, and counts for `LockClient::settle`.
+//!
+//!   This holds as long as the nodes in those intersections keep their data: run the nodes with
+//!   `appendfsync always` for fencing tokens that never go back. A node that restarts empty
+//!   keeps the *lock* safe under the delayed-restart rule, but its counter starts again; if it is
+//!   the only node of R_A in the next quorum, the next fence is drawn from the other nodes'
+//!   counters, which may lag: a token can repeat or go back. (Until a background raise lands,
+//!   R_A is only the nodes that drew F; a write-back to every node before use would cover the
+//!   lagging ones in that window too, at the price of a second round on every acquisition.)
 //! * **Run-once records** are decided by quorum both ways: `complete` counts only when a quorum
 //!   stored the record, and `begin` replays a record only when a quorum of nodes hold that same
 //!   record. A holder whose lease ran out on most nodes may still store its record on a few (it
@@ -160,15 +185,39 @@ impl<C: Conn> RedlockBackend<C> {
         }
     }
 
+    /// Raises the counters of `nodes` (which took the lock but drew less than `fence`) to the
+    /// fence, in a background task, each only while the lock there is still ours. Not needed
+    /// for this holder's fence (a quorum recorded it already): it keeps lagging nodes from
+    /// staying behind, so that a later quorum does not depend on the few that are up to date.
+    fn raise_in_background(&self, op: &Op, fence: u64, nodes: &[usize]) {
+        if nodes.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let timeout = self.node_timeout;
+        let calls: Vec<_> = nodes
+            .iter()
+            .map(|&node| tokio::time::timeout(timeout, self.nodes[node].fence_sync(op, fence)))
+            .collect();
+        let task = self.waiters.task();
+        runtime.spawn(async move {
+            let _task = task;
+            let _ = join_all(calls).await;
+        });
+    }
+
     async fn acquire_quorum(&self, op: &Op) -> Result<Attempt, LockError> {
         let started = crate::clock::now();
         let mut fanout = self.fanout(op, |node| node.acquire(op)).await;
-        let mut fences = Vec::new();
+        // (node, the fence it drew) for every node that took the lock.
+        let mut fences: Vec<(usize, u64)> = Vec::new();
         let mut held_ttl: Option<Duration> = None;
         let mut tag = None;
         let mut holder_fence = 0;
         let mut records: Vec<&crate::once::Record> = Vec::new();
-        for result in &fanout.results {
+        for (node, result) in fanout.results.iter().enumerate() {
             match result {
                 Ok(Attempt::Held {
                     ttl, tag: t, fence, ..
@@ -181,7 +230,7 @@ impl<C: Conn> RedlockBackend<C> {
                         tag.clone_from(t);
                     }
                 }
-                Ok(Attempt::Acquired { fence }) => fences.push(*fence),
+                Ok(Attempt::Acquired { fence }) => fences.push((node, *fence)),
                 Ok(Attempt::Done { record }) => records.push(record),
                 Err(_) => {}
             }
@@ -210,21 +259,55 @@ impl<C: Conn> RedlockBackend<C> {
             return Err(self.no_quorum(op, fences.len(), None));
         }
         if fences.len() >= self.quorum {
-            let fence = fences.iter().copied().max().expect("a quorum is not empty");
-            let synced = self
-                .fanout(op, |node| Box::pin(node.fence_sync(op, fence)))
-                .await;
-            let confirmed = synced
-                .results
+            // The fence is the largest counter drawn. It must be recorded (a counter at the fence
+            // or above) on a quorum of nodes while the lock is held there; the nodes that drew
+            // it recorded it with their acquisition. Only if they are fewer than a quorum is it
+            // written back to the others now, a second round; otherwise the lagging nodes are
+            // raised in the background, which safety does not wait for (see the module docs).
+            let fence = fences
                 .iter()
-                .filter(|r| matches!(r, Ok(true)))
-                .count();
+                .map(|&(_, f)| f)
+                .max()
+                .expect("a quorum is not empty");
+            let drew = fences.iter().filter(|&&(_, f)| f == fence).count();
+            let lagging: Vec<usize> = fences
+                .iter()
+                .filter(|&&(_, f)| f < fence)
+                .map(|&(node, _)| node)
+                .collect();
+            if drew >= self.quorum {
+                if started.elapsed() + op.drift < op.lease {
+                    self.raise_in_background(op, fence, &lagging);
+                    return Ok(Attempt::Acquired { fence });
+                }
+                self.release_all(op).await;
+                return Err(self.no_quorum(op, fences.len(), None));
+            }
+            let timeout = self.node_timeout;
+            let name = op.name.as_str();
+            let mut synced = Fanout {
+                results: join_all(lagging.iter().map(|&node| {
+                    let call = self.nodes[node].fence_sync(op, fence);
+                    async move {
+                        match tokio::time::timeout(timeout, call).await {
+                            Ok(result) => result,
+                            Err(_) => Err(LockError::timeout(name, true, timeout)),
+                        }
+                    }
+                }))
+                .await,
+            };
+            let confirmed = drew
+                + synced
+                    .results
+                    .iter()
+                    .filter(|r| matches!(r, Ok(true)))
+                    .count();
             let validity_left = started.elapsed() + op.drift < op.lease;
             if confirmed >= self.quorum && validity_left {
                 return Ok(Attempt::Acquired { fence });
             }
             self.release_all(op).await;
-            let mut synced = synced;
             let source = synced.last_error();
             return Err(self.no_quorum(op, confirmed.min(fences.len()), source));
         }

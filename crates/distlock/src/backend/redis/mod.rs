@@ -248,8 +248,7 @@ pub(crate) fn parse_acquired(name: &str, reply: Value) -> Result<Attempt, LockEr
 }
 
 impl<C: Conn> RedisBackend<C> {
-    /// Sends `cmd` (an `EVALSHA` of `script`); on `NOSCRIPT` (a restarted or new server, a
-    /// failover) loads the script and sends it again.
+    /// Sends `cmd` (an `EVALSHA` of `script`) on this backend's connection (see [`eval_on`]).
     async fn eval(
         &self,
         name: &LockName,
@@ -257,18 +256,7 @@ impl<C: Conn> RedisBackend<C> {
         script: &Script,
         cmd: Cmd,
     ) -> Result<Value, LockError> {
-        let mut conn = self.conn.clone();
-        let first = cmd.query_async::<Value>(&mut conn).await;
-        let reply = match first {
-            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                match script.load_async(&mut conn).await {
-                    Ok(_) => cmd.query_async::<Value>(&mut conn).await,
-                    Err(load) => Err(load),
-                }
-            }
-            other => other,
-        };
-        reply.map_err(|e| LockError::from_redis(name.as_str(), ambiguous, e))
+        eval_on(self.conn.clone(), name, ambiguous, script, cmd).await
     }
 
     /// Sends `cmd` and, with the replica check on, `WAIT` right behind it in one pipeline: on
@@ -383,17 +371,47 @@ impl<C: Conn> RedisBackend<C> {
         }))
     }
 
-    /// (Redlock) Raises this node's fencing counter to `fence` if the lock here is ours.
-    pub(crate) async fn fence_sync(&self, op: &Op, fence: u64) -> Result<bool, LockError> {
+    /// (Redlock) Raises this node's fencing counter to `fence` if the lock here is ours. The
+    /// future owns what it needs (a clone of the connection), so it can run in the background.
+    pub(crate) fn fence_sync(
+        &self,
+        op: &Op,
+        fence: u64,
+    ) -> impl Future<Output = Result<bool, LockError>> + Send + 'static {
         let script = &SCRIPTS.fence_sync;
         let mut cmd = evalsha(script, &[op.name.lock_key(), op.name.state_key()], 3);
         match &op.mode {
             Mode::Reentrant { owner } => cmd.arg(owner.as_str()).arg(fence).arg("r"),
             _ => cmd.arg(op.token.as_str()).arg(fence).arg("x"),
         };
-        let reply = self.eval(&op.name, false, script, cmd).await?;
-        parse_flag(op.name.as_str(), "fence_sync", reply)
+        let (conn, name) = (self.conn.clone(), op.name.clone());
+        async move {
+            let reply = eval_on(conn, &name, false, script, cmd).await?;
+            parse_flag(name.as_str(), "fence_sync", reply)
+        }
     }
+}
+
+/// Sends `cmd` (an `EVALSHA` of `script`) on `conn`; on `NOSCRIPT` (a restarted or new server, a
+/// failover) loads the script and sends it again.
+async fn eval_on<C: Conn>(
+    mut conn: C,
+    name: &LockName,
+    ambiguous: bool,
+    script: &Script,
+    cmd: Cmd,
+) -> Result<Value, LockError> {
+    let first = cmd.query_async::<Value>(&mut conn).await;
+    let reply = match first {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            match script.load_async(&mut conn).await {
+                Ok(_) => cmd.query_async::<Value>(&mut conn).await,
+                Err(load) => Err(load),
+            }
+        }
+        other => other,
+    };
+    reply.map_err(|e| LockError::from_redis(name.as_str(), ambiguous, e))
 }
 
 impl<C: Conn> Backend for RedisBackend<C> {

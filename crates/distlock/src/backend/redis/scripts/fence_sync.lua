@@ -1,6 +1,8 @@
 -- Redlock: raises this node's fencing counter to the fence chosen from the quorum (the largest
--- of the nodes' counters), only while the lock on this node is still ours. Every later quorum
--- shares a node with this one, so the next holder draws a larger fence.
+-- of the nodes' counters), only while the lock on this node is still ours. Sent before the lock
+-- is used when fewer than a quorum of nodes drew that fence (every later quorum then shares a
+-- node with the nodes recording it, so the next holder draws a larger fence), else in the
+-- background to the nodes that lag. Only ever raises: a late call does no harm.
 --
 -- KEYS[1]  lock key
 -- KEYS[2]  state key
@@ -22,7 +24,10 @@ local fence = tonumber(ARGV[2])
 if (tonumber(redis.call('HGET', KEYS[2], 'n')) or 0) < fence then
   redis.call('HSET', KEYS[2], 'n', fence)
 end
-if ARGV[3] == 'r' then
+-- A reentrant hold records its fence (re-entries return it). Raised, never lowered: a raise sent
+-- in the background can land after the same owner released and took the lock again with a
+-- larger fence.
+if ARGV[3] == 'r' and (tonumber(redis.call('HGET', KEYS[1], 'f')) or 0) < fence then
   redis.call('HSET', KEYS[1], 'f', fence)
 end
 return 1
