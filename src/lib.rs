@@ -35,8 +35,8 @@
 //!    `Retry-After` (or, with [`OnConflict::Wait`], waits for it and replays its response);
 //!    otherwise the request takes a **lease** ([`distlock`]: owner token, fencing token, watchdog
 //!    renewal while the handler runs).
-//! 4. The **handler runs**, in a task of its own: once called, it runs to its end whatever
-//!    happens to the client (a closed connection, a timeout outside the layer, an HTTP/2 reset),
+//! 4. The **handler runs**, driven by the response future (and, if that future is dropped, in a
+//!    task of its own): once called, it runs to its end whatever happens to the client (a closed connection, a timeout outside the layer, an HTTP/2 reset),
 //!    so the client's retry gets the replay instead of a second execution.
 //!    [`IdempotencyContext`] (request extension and axum extractor) gives it the fencing token
 //!    and the lease.

@@ -18,8 +18,9 @@ use crate::layer::Config;
 /// their key and fingerprint computed (reading the body when the key or the fingerprint needs
 /// it; the inner service gets the same bytes as a [`RequestBody`]), and the store consulted
 /// before the inner service is called. The protected execution (the handler, its body and the
-/// storing of its outcome) runs in a task of its own, so it needs `Send + 'static` futures and
-/// bodies, and a Tokio runtime.
+/// storing of its outcome) is driven by the response future and, if that is dropped before the
+/// end, goes on in a task of its own, so it needs `Send + 'static` futures and bodies, and a
+/// Tokio runtime.
 ///
 /// ```
 /// use tower_idempotency::{Idempotency, IdempotencyLayer, RequestBody, Store};

@@ -74,8 +74,8 @@ impl Feed {
 pin_project! {
     /// The body of a response from an [`Idempotency`](crate::Idempotency) service: the
     /// handler's own body (requests the layer does not protect, retryable responses), a body
-    /// fed frame by frame by the protected execution (which runs in its own task, so that the
-    /// client going away never cancels it), a stored body being replayed, or a problem document.
+    /// fed frame by frame by the protected execution (which the client going away never
+    /// cancels), a stored body being replayed, or a problem document.
     ///
     /// A body that fails half-way (the handler's, or a stored one that turns out corrupt) ends
     /// with an error, so the client sees an aborted response, never a complete short one.
