@@ -34,9 +34,8 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use bytes::Bytes;
-use common::{Mode, Series, percentile_us, row};
+use common::{Mode, Series, connect, percentile_us, row};
 use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
 use testkit::RedisServer;
 use tower_idempotency::{IdempotencyLayer, Store};
 
@@ -204,16 +203,6 @@ fn request(addr: SocketAddr, key: &str, cookie: Option<&str>) -> http::Request<F
 }
 
 type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
-
-async fn connect(addr: SocketAddr) -> Sender {
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream.set_nodelay(true).unwrap();
-    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    sender
-}
 
 /// A session cookie for the peer (it only caches for requests that carry a session).
 async fn login(addr: SocketAddr) -> String {

@@ -26,10 +26,9 @@ use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use bytes::Bytes;
-use common::{Mode, Series, row};
+use common::{Mode, Series, connect, row};
 use http_body::Frame;
 use http_body_util::{BodyExt, Empty, StreamBody};
-use hyper_util::rt::TokioIo;
 use peak_alloc::PeakAlloc;
 use testkit::RedisServer;
 use tower_idempotency::{IdempotencyLayer, Store};
@@ -88,18 +87,6 @@ fn app(store: Option<Store>) -> Router {
                 .unwrap(),
         ),
     }
-}
-
-type Sender = hyper::client::conn::http1::SendRequest<Empty<Bytes>>;
-
-async fn connect(addr: SocketAddr) -> Sender {
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream.set_nodelay(true).unwrap();
-    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    sender
 }
 
 fn request(addr: SocketAddr, path: &str, key: &str) -> http::Request<Empty<Bytes>> {

@@ -1,6 +1,7 @@
 //! The example services, under duplicate load: one account per phone number, each payment
 //! event applied to the ledger exactly once. On the in-memory store and on Redis.
 
+#[macro_use]
 mod support;
 
 #[path = "../examples/shared/signup.rs"]
@@ -98,28 +99,7 @@ async fn every_payment_event_is_applied_once(s: TestStore) {
     assert_eq!(total, 1000, "nothing lost, nothing applied twice");
 }
 
-macro_rules! both {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::TestStore::memory().await).await;
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::TestStore::redis(stringify!($name)).await).await;
-                }
-            )*
-        }
-    };
-}
-
-both!(
+both_stores!(
     signups_create_one_account_per_phone,
     every_payment_event_is_applied_once
 );

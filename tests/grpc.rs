@@ -2,6 +2,7 @@
 //! the first call's message and `grpc-status` trailer, concurrent calls with one key charge
 //! once, and rejections are the gRPC statuses a client expects. On memory and on Redis.
 
+#[macro_use]
 mod support;
 
 #[path = "../examples/shared/payments.rs"]
@@ -160,28 +161,7 @@ async fn concurrent_calls_charge_once(s: TestStore) {
     assert_eq!(ledger.payments().len(), 1, "charged once");
 }
 
-macro_rules! both {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::TestStore::memory().await).await;
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::TestStore::redis(stringify!($name)).await).await;
-                }
-            )*
-        }
-    };
-}
-
-both!(calls_and_retries, concurrent_calls_charge_once);
+both_stores!(calls_and_retries, concurrent_calls_charge_once);
 
 /// The store unreachable: UNAVAILABLE, the handler not run.
 #[tokio::test]

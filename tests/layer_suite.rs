@@ -1,6 +1,7 @@
 //! The layer's behavioural suite, run against the in-memory store, a real Redis, a real Redis
 //! Cluster, and a Sentinel-managed master across a forced failover.
 
+#[macro_use]
 mod support;
 
 use std::future::Future;
@@ -23,22 +24,7 @@ macro_rules! suite {
         {
             $( $name(make(stringify!($name)).await).await; )*
         }
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::TestStore::memory().await).await;
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::TestStore::redis(stringify!($name)).await).await;
-                }
-            )*
-        }
+        both_stores!($($name),*);
     };
 }
 

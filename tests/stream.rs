@@ -4,6 +4,7 @@
 //! retry; trailers round-trip; a record the layer cannot finish reading breaks the body off
 //! (never a complete short one); a 100 MiB response passes while the layer holds only a chunk.
 
+#[macro_use]
 mod support;
 
 use std::sync::atomic::Ordering;
@@ -202,28 +203,7 @@ async fn a_body_not_kept_is_never_replayed_as_a_success(s: TestStore) {
     assert_eq!(t.runs(), 1);
 }
 
-macro_rules! both {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::TestStore::memory().await).await;
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::TestStore::redis(stringify!($name)).await).await;
-                }
-            )*
-        }
-    };
-}
-
-both!(
+both_stores!(
     the_first_event_arrives_before_the_handler_finishes,
     a_joiner_gets_the_same_bytes_live_and_after_the_end,
     a_client_that_leaves_mid_stream_gets_the_whole_stream_on_retry,

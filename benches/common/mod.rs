@@ -123,6 +123,23 @@ pub fn row(cells: &[&str]) {
     println!("| {} |", cells.join(" | "));
 }
 
+/// An HTTP/1.1 connection to `addr` (`TCP_NODELAY`), its driver spawned.
+pub async fn connect<B>(addr: std::net::SocketAddr) -> hyper::client::conn::http1::SendRequest<B>
+where
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.set_nodelay(true).unwrap();
+    let (sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    sender
+}
+
 /// The machine, for the report header.
 pub fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")

@@ -1,7 +1,31 @@
 //! Test support for the layer: a service whose handlers count their executions and can be held
 //! at a gate, and stores on memory or a real Redis.
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_macros)]
+
+/// Defines, for each scenario `async fn name(s: TestStore)` of the including file, a test on
+/// the memory store (`memory::name`) and one on a real Redis (`redis::name`). The file declares
+/// `#[macro_use] mod support;` and has `TestStore` in scope.
+macro_rules! both_stores {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::TestStore::memory().await).await;
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::TestStore::redis(stringify!($name)).await).await;
+                }
+            )*
+        }
+    };
+}
 
 pub mod streaming;
 
