@@ -173,9 +173,10 @@ where
     let once = once
         .retention(config.retention)
         .expect("the retention was checked when the layer was built");
-    let tag = Bytes::copy_from_slice(&fingerprint);
+    // The fingerprint is the tag a duplicate compares (copied again only on the rare wait).
+    let tag = || Bytes::copy_from_slice(&fingerprint);
     let started = Instant::now();
-    let mut began = once.begin(tag.clone()).await;
+    let mut began = once.begin(tag()).await;
     let wait = match config.on_conflict {
         OnConflict::Wait(wait) => wait,
         // The first request may have answered and be storing its outcome: wait for it briefly.
@@ -186,7 +187,7 @@ where
         && !wait.is_zero()
     {
         // Boxed: waiting is the rare path; it should not grow every request's future.
-        began = Box::pin(once.begin_wait(tag, wait)).await;
+        began = Box::pin(once.begin_wait(tag(), wait)).await;
     }
     store_latency("begin", started.elapsed());
     match began {
