@@ -401,19 +401,28 @@ async fn an_interrupted_acquisition_frees_the_lock() {
         tokio::time::sleep(ms(10)).await;
     }
     assert!(waiting, "distlock never waited for the lock");
-    proxy.delay_replies(Duration::from_secs(3));
+    // Every reply from here on arrives 1.5 s late: below distlock's 2 s operation timeout (its
+    // lease is 30 s), so an attempt that was already on its way and still saw the lock held
+    // gets its late "held" answer without failing, and the next attempt takes the lock. The
+    // test sees that at once in Redis and signals distlock while that attempt's reply is
+    // still held back.
+    proxy.delay_replies(ms(1500));
     let ours = held.token().as_str().to_owned();
     assert!(held.release().await.unwrap());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let mut taken = false;
-    for _ in 0..400 {
+    while tokio::time::Instant::now() < deadline {
         let value: Option<String> = admin.get(&key).await.unwrap();
         if value.is_some_and(|v| v != ours) {
             taken = true;
             break;
         }
-        tokio::time::sleep(ms(5)).await;
+        tokio::time::sleep(ms(2)).await;
     }
-    assert!(taken, "distlock's acquisition ran (its reply is held back)");
+    assert!(
+        taken,
+        "distlock's acquisition never ran within 10 s of the release"
+    );
     let pid = rustix::process::Pid::from_raw(child.id().unwrap() as i32).unwrap();
     rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
     let mut freed = false;
