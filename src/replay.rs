@@ -287,18 +287,29 @@ fn streamed<B>(
 
 /// Reads a streamed record's chunks (from part 1) into the client's body, until its end part;
 /// anything else breaks the body off with an error.
+///
+/// A completed record's parts are read with plain list reads (its state was read when it was
+/// found done), and its next batch while the current one is opened and sent: the store's round
+/// trip overlaps the work on the parts already here. At most two batches and the feed's frames
+/// are held at once.
 async fn read(mut source: Source, mut feed: Feed, key: [u8; 32], name: String, writer: u64) {
     let sealer = Sealer::new(&key, &name);
     let mut next = 1u64;
     let mut len = 0u64;
+    // The next batch of a stored record, read ahead.
+    let mut ahead: Option<Result<Vec<bytes::Bytes>, LockError>> = None;
     let outcome: Result<(), BoxError> = loop {
         let (from, parts, state) = match &mut source {
             Source::Stored { once, parts } => {
                 if next >= *parts {
                     break Err("the stored record has no end".into());
                 }
-                match once.parts(next, BATCH).await {
-                    Ok(read) => (read.from(), read.into_parts(), None),
+                let read = match ahead.take() {
+                    Some(read) => read,
+                    None => once.stored_parts(next, BATCH).await,
+                };
+                match read {
+                    Ok(read) => (next, read, None),
                     Err(error) => {
                         break Err(format!("the stored record could not be read: {error}").into());
                     }
@@ -323,47 +334,25 @@ async fn read(mut source: Source, mut feed: Feed, key: [u8; 32], name: String, w
         if from != next {
             break Err(format!("expected part {next}, the store gave part {from}").into());
         }
-        let mut ended = None;
-        for (i, sealed) in parts.iter().enumerate() {
-            let index = from + i as u64;
-            match sealer.open_part(index, writer, sealed) {
-                Ok(Part::Chunk(data)) => {
-                    len += data.len() as u64;
-                    feed.send(Message::Frame(Frame::data(data))).await;
-                }
-                Ok(Part::End {
-                    kept: true,
-                    len: stored,
-                    trailers,
-                }) => {
-                    ended = Some(if stored == len {
-                        Ok(trailers)
-                    } else {
-                        Err(format!("the record says {stored} bytes, its chunks hold {len}").into())
-                    });
-                    break;
-                }
-                Ok(Part::End { kept: false, .. }) => {
-                    ended = Some(Err(
-                        "the response was over the storage limit: its body was not kept".into(),
-                    ));
-                    break;
-                }
-                Ok(Part::Unknown) => {
-                    ended = Some(Err("the response broke off: its outcome is unknown".into()));
-                    break;
-                }
-                Ok(_) => {
-                    ended = Some(Err(format!("part {index} is not a chunk").into()));
-                    break;
-                }
-                Err(reason) => {
-                    ended = Some(Err(format!("part {index}: {reason}").into()));
-                    break;
-                }
-            }
-        }
         next = from + parts.len() as u64;
+        let read_ahead = match &source {
+            Source::Stored { once, parts: total } if !parts.is_empty() && next < *total => {
+                Some(once.stored_parts(next, BATCH))
+            }
+            _ => None,
+        };
+        // The read ahead is polled first, so its command leaves before the parts are opened.
+        let (read, ended) = futures_util::future::join(
+            async {
+                match read_ahead {
+                    Some(read) => Some(read.await),
+                    None => None,
+                }
+            },
+            deliver(&sealer, &mut feed, from, &parts, writer, &mut len),
+        )
+        .await;
+        ahead = read;
         match ended {
             Some(Ok(trailers)) => {
                 if !trailers.is_empty() {
@@ -396,6 +385,50 @@ async fn read(mut source: Source, mut feed: Feed, key: [u8; 32], name: String, w
             feed.send(Message::Error(error)).await;
         }
     }
+}
+
+/// Opens parts `from..` and sends their chunks to the client; `len` counts the bytes sent.
+/// Returns the body's end (its trailers) when the end part is among them, an error when a part
+/// is not what it must be, and `None` when more parts follow.
+async fn deliver(
+    sealer: &Sealer<'_>,
+    feed: &mut Feed,
+    from: u64,
+    parts: &[bytes::Bytes],
+    writer: u64,
+    len: &mut u64,
+) -> Option<Result<HeaderMap, BoxError>> {
+    for (i, sealed) in parts.iter().enumerate() {
+        let index = from + i as u64;
+        match sealer.open_part(index, writer, sealed) {
+            Ok(Part::Chunk(data)) => {
+                *len += data.len() as u64;
+                feed.send(Message::Frame(Frame::data(data))).await;
+            }
+            Ok(Part::End {
+                kept: true,
+                len: stored,
+                trailers,
+            }) => {
+                return Some(if stored == *len {
+                    Ok(trailers)
+                } else {
+                    Err(format!("the record says {stored} bytes, its chunks hold {len}").into())
+                });
+            }
+            Ok(Part::End { kept: false, .. }) => {
+                return Some(Err(
+                    "the response was over the storage limit: its body was not kept".into(),
+                ));
+            }
+            Ok(Part::Unknown) => {
+                return Some(Err("the response broke off: its outcome is unknown".into()));
+            }
+            Ok(_) => return Some(Err(format!("part {index} is not a chunk").into())),
+            Err(reason) => return Some(Err(format!("part {index}: {reason}").into())),
+        }
+    }
+    None
 }
 
 #[cfg(test)]

@@ -309,9 +309,28 @@ async fn a_corrupt_or_missing_chunk_is_reported_never_replayed_short() {
     let _: () = r.lset(&lists[0], 1, &parts[2]).await.unwrap();
     let _: () = r.lset(&lists[0], 2, &parts[1]).await.unwrap();
     assert!(replay().await.is_err(), "swapped chunks break the body off");
-    // A chunk missing (the list shorter than the record says).
+    // A chunk altered in the last batch, read ahead while the first batches were being sent.
     let _: () = r.lset(&lists[0], 1, &parts[1]).await.unwrap();
     let _: () = r.lset(&lists[0], 2, &parts[2]).await.unwrap();
+    assert!(
+        parts.len() > 9,
+        "the record spans three batches of four parts: {}",
+        parts.len()
+    );
+    let late = parts.len() - 2;
+    let mut altered = parts[late].clone();
+    altered[10] ^= 1;
+    let _: () = r.lset(&lists[0], late as isize, &altered).await.unwrap();
+    assert!(
+        replay().await.is_err(),
+        "an altered chunk in a batch read ahead breaks the body off"
+    );
+    let _: () = r
+        .lset(&lists[0], late as isize, &parts[late])
+        .await
+        .unwrap();
+    assert_eq!(replay().await.unwrap().0, whole, "restored: replayed whole");
+    // A chunk missing (the list shorter than the record says).
     let _: i64 = r.lrem(&lists[0], 1, &parts[2]).await.unwrap();
     let missing = replay().await;
     assert_eq!(

@@ -686,6 +686,42 @@ impl Once {
         }
     }
 
+    /// Up to `max` parts of a completed record from part `from` on, read without its state:
+    /// one plain list read on Redis, where [`parts`](Once::parts) runs a script (which copies
+    /// every part into Lua and back: for 64 KiB parts that costs Redis about five times the
+    /// read itself). For a record already seen [`Done`](RecordState::Done), whose parts never
+    /// change while it lives. When the read finds nothing it is [`parts`](Once::parts) (a
+    /// one-part record is its part 0; a part missing from a completed record is an error).
+    ///
+    /// Nothing here tells the record seen done from one begun again under the same name after
+    /// it expired: a caller reading across that must recognise its own parts (the HTTP layer's
+    /// are sealed to their writer, index and name).
+    ///
+    /// # Errors
+    /// As [`parts`](Once::parts).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// use distlock::Begin;
+    /// let once = distlock::LockClient::memory().once("export")?;
+    /// let Begin::Acquired(guard) = once.begin("").await? else { unreachable!() };
+    /// for part in [&b"a"[..], b"b", b"c"] {
+    ///     guard.append(part).await?;
+    /// }
+    /// guard.complete(b"d").await?;
+    /// assert_eq!(once.stored_parts(1, 2).await?, [&b"b"[..], &b"c"[..]]);
+    /// # Ok(()) }
+    /// ```
+    pub async fn stored_parts(&self, from: u64, max: usize) -> Result<Vec<Bytes>, LockError> {
+        let timeout = self.config.op_timeout();
+        let read = self.client.backend().stored_parts(&self.name, from, max);
+        match crate::backend::timed(timeout, read).await {
+            Ok(read) => read,
+            Err(_) => Err(LockError::timeout(self.name.as_str(), false, timeout)),
+        }
+    }
+
     /// Like [`parts`](Once::parts), but while the holder is alive and has not appended part
     /// `from` yet, waits (until `until`) for it: returns as soon as parts from `from` on exist
     /// or the record is no longer being written ([`RecordState::Done`] or

@@ -395,12 +395,17 @@ async fn a_streamed_record_round_trips_byte_for_byte(store: Store) {
     assert_eq!(read.fence(), fence);
     assert!(read.is_complete());
     assert_eq!(once.parts(2, 2).await.unwrap().parts(), &all[2..4]);
+    // The plain read of a completed record gives the same parts.
+    assert_eq!(once.stored_parts(0, 100).await.unwrap(), all);
+    assert_eq!(once.stored_parts(2, 2).await.unwrap(), &all[2..4]);
+    assert!(once.stored_parts(1, 0).await.unwrap().is_empty());
     let state_only = once.parts(0, 0).await.unwrap();
     assert!(state_only.parts().is_empty());
     assert_eq!(state_only.state(), RecordState::Done { parts: 5 });
     for (from, max) in [(5, 10), (u64::MAX, usize::MAX), (i64::MAX as u64, 3)] {
         let read = once.parts(from, max).await.unwrap();
         assert!(read.parts().is_empty(), "{from} {max}");
+        assert!(once.stored_parts(from, max).await.unwrap().is_empty());
         assert_eq!(read.state(), RecordState::Done { parts: 5 });
     }
     match once.begin("fp").await.unwrap() {
@@ -417,6 +422,7 @@ async fn a_streamed_record_round_trips_byte_for_byte(store: Store) {
     holder(&whole).await.complete(b"whole").await.unwrap();
     let read = whole.parts(0, 8).await.unwrap();
     assert_eq!(read.parts(), [b(b"whole")]);
+    assert_eq!(whole.stored_parts(0, 8).await.unwrap(), [b(b"whole")]);
     assert_eq!(read.state(), RecordState::Done { parts: 1 });
     assert!(whole.parts(1, 8).await.unwrap().parts().is_empty());
     assert_ne!(

@@ -181,6 +181,17 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
         let _ = (from, max);
         Box::pin(std::future::ready(Err(self.unsupported(name, "parts"))))
     }
+    /// (`Once`) Up to `max` parts from `from` of a record already seen complete, without its
+    /// state (see [`Once::stored_parts`](crate::Once::stored_parts)). By default, the parts
+    /// of the atomic read.
+    fn stored_parts<'a>(
+        &'a self,
+        name: &'a LockName,
+        from: u64,
+        max: usize,
+    ) -> BoxFuture<'a, Result<Vec<Bytes>, LockError>> {
+        Box::pin(async move { Ok(self.parts(name, from, max).await?.into_parts()) })
+    }
     /// Whether `append` and `parts` work on this store.
     fn supports_streaming(&self) -> bool {
         false
