@@ -5,11 +5,13 @@
 //! execution, the writer gone before its end, the store unreachable) breaks off with an error:
 //! the client sees an aborted body, never a complete short one.
 
+use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use distlock::once::{Follower, RecordState};
 use distlock::{LockError, Once};
+use futures_util::future::Either;
 use http::{HeaderMap, HeaderName, HeaderValue, Response, header};
 use http_body::Frame;
 
@@ -341,18 +343,26 @@ async fn read(mut source: Source, mut feed: Feed, key: [u8; 32], name: String, w
             }
             _ => None,
         };
-        // The read ahead is polled first, so its command leaves before the parts are opened.
-        let (read, ended) = futures_util::future::join(
-            async {
-                match read_ahead {
-                    Some(read) => Some(read.await),
-                    None => None,
+        // The read ahead is polled first, so its command leaves before the parts are opened;
+        // a body that ends or breaks off here does not wait for it.
+        let ended = match read_ahead {
+            None => deliver(&sealer, &mut feed, from, &parts, writer, &mut len).await,
+            Some(read) => {
+                let read = pin!(read);
+                let delivered = pin!(deliver(&sealer, &mut feed, from, &parts, writer, &mut len));
+                match futures_util::future::select(read, delivered).await {
+                    Either::Left((read, delivered)) => {
+                        ahead = Some(read);
+                        delivered.await
+                    }
+                    Either::Right((None, read)) => {
+                        ahead = Some(read.await);
+                        None
+                    }
+                    Either::Right((ended, _)) => ended,
                 }
-            },
-            deliver(&sealer, &mut feed, from, &parts, writer, &mut len),
-        )
-        .await;
-        ahead = read;
+            }
+        };
         match ended {
             Some(Ok(trailers)) => {
                 if !trailers.is_empty() {

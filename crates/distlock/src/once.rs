@@ -50,7 +50,7 @@
 //! | key | type | holds | expiry |
 //! |---|---|---|---|
 //! | `prefix:{name}` | string | the holder's token | the lease |
-//! | `prefix:{name}:state` | hash | `n` the fencing counter (the current or last holder's fence), `m` the holder's tag while it holds, `d` a one-part record, `p` the part count of a complete streamed record, `c` the token that completed it | the retention |
+//! | `prefix:{name}:state` | hash | `n` the fencing counter (the current or last holder's fence; a new one starts from the writer's clock in microseconds, so a record begun again after it expired never repeats a fence), `m` the holder's tag while it holds, `d` a one-part record, `p` the part count of a complete streamed record, `c` the token that completed it | the retention |
 //! | `prefix:{name}:parts` | list | part *i* at index *i*: the parts of the holder writing, or of the complete streamed record; absent for one-part records | the retention |
 //! | `prefix:{name}:rel` | channel | a release or completion announces the token; an append announces `+` and the part's index | — |
 //!
@@ -689,16 +689,26 @@ impl Once {
     /// Up to `max` parts of a completed record from part `from` on, read without its state:
     /// one plain list read on Redis, where [`parts`](Once::parts) runs a script (which copies
     /// every part into Lua and back: for 64 KiB parts that costs Redis about five times the
-    /// read itself). For a record already seen [`Done`](RecordState::Done), whose parts never
-    /// change while it lives. When the read finds nothing it is [`parts`](Once::parts) (a
-    /// one-part record is its part 0; a part missing from a completed record is an error).
+    /// read itself). Only for a record already seen [`Done`](RecordState::Done) (with its part
+    /// count and its writer's fence), whose parts never change while it lives.
+    ///
+    /// It returns what the store holds from `from` on, up to `max`: fewer parts than asked for
+    /// when the record has fewer, or when parts are missing (a caller that knows the part count
+    /// checks that it got them all). When the list read finds nothing, it is
+    /// [`parts`](Once::parts) (a second round trip): a one-part record is its part 0, a
+    /// completed record missing its parts is an error. The list is read where the client's
+    /// connection sends reads (a connection of your own that reads from replicas may see a
+    /// replica behind the primary).
     ///
     /// Nothing here tells the record seen done from one begun again under the same name after
-    /// it expired: a caller reading across that must recognise its own parts (the HTTP layer's
-    /// are sealed to their writer, index and name).
+    /// it expired: a caller reading across that must recognise its own parts. The fences of a
+    /// record begun again keep increasing (its new counter starts from the writer's clock, in
+    /// microseconds), so parts bound to their writer's fence, as the HTTP layer seals them, tell.
     ///
     /// # Errors
-    /// As [`parts`](Once::parts).
+    /// [`LockError::Unavailable`] if the store cannot be reached; [`LockError::Unsupported`] on
+    /// Redlock; from the fallback, [`LockError::BrokenRecord`] for a completed record whose
+    /// parts are gone.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]

@@ -105,6 +105,7 @@ both!(
     a_lost_lease_mid_stream_is_abandoned_and_the_next_holder_starts_clean,
     abort_and_drop_after_appends_leave_no_parts,
     begin_wait_returns_on_the_first_part,
+    a_record_begun_again_after_it_expired_draws_a_larger_fence,
 );
 
 async fn exclusion_and_fencing(store: Store) {
@@ -646,4 +647,44 @@ async fn begin_wait_returns_on_the_first_part(store: Store) {
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// A record's fencing counter lives in its state, which expires with the record. Begun again
+/// after that, the next run must not draw a fence an earlier run had: a streamed record's parts
+/// are bound to their writer's fence, and two runs with one fence would write interchangeable
+/// parts (a replay still reading the first could be handed the second's).
+async fn a_record_begun_again_after_it_expired_draws_a_larger_fence(store: Store) {
+    let config = LockConfig::builder()
+        .lease(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let client = store.client(config).await;
+    let once = client
+        .once("again")
+        .unwrap()
+        .retention(Duration::from_millis(300))
+        .unwrap();
+    let first = holder(&once).await;
+    let fence = first.fence();
+    first.append(b"head").await.unwrap();
+    first.complete(b"end").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let again = loop {
+        match once.begin("fp").await.unwrap() {
+            Begin::Acquired(g) => break g,
+            Begin::Done(_) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "the record was still there 10 s after its 300 ms retention"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => panic!("{other:?}"),
+        }
+    };
+    assert!(
+        again.fence() > fence,
+        "the run after the record expired drew fence {} after {fence}",
+        again.fence()
+    );
 }

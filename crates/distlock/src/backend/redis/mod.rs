@@ -215,6 +215,20 @@ fn parse_flag(name: &str, what: &str, reply: Value) -> Result<bool, LockError> {
     }
 }
 
+/// Where a run-once record's new fencing counter starts: this machine's clock in microseconds.
+/// The counter lives as long as the record; one started again from 0 after the record expired
+/// would repeat the fences of runs already stored. Started from the clock, the fences of a
+/// record begun again keep increasing as long as the writers' clocks differ by less than the
+/// retention. (The caller's clock, not the server's: every Redlock node gets the same start, so
+/// their counters agree and the fence needs no second round.)
+fn counter_start() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+        // Below 2^53: Lua counts in doubles, and a larger counter would lose its last digits.
+        .min((1 << 53) - (1 << 32))
+}
+
 /// The keys of a run-once record: lock, state, parts.
 fn record_keys(name: &LockName) -> [&str; 3] {
     [name.lock_key(), name.state_key(), name.parts_key()]
@@ -439,11 +453,12 @@ impl<C: Conn> Backend for RedisBackend<C> {
                 }
                 Mode::Once { tag, .. } => {
                     let script = &SCRIPTS.begin;
-                    let mut cmd = evalsha(script, &record_keys(&op.name), 4);
+                    let mut cmd = evalsha(script, &record_keys(&op.name), 5);
                     cmd.arg(op.token.as_str())
                         .arg(millis(op.lease))
                         .arg(op.state_ttl_ms())
-                        .arg(tag.as_ref());
+                        .arg(tag.as_ref())
+                        .arg(counter_start());
                     let (reply, acknowledged) = self.eval_replicated(op, true, script, cmd).await?;
                     (parse_attempt(name, reply)?, acknowledged)
                 }

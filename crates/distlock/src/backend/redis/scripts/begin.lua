@@ -12,6 +12,7 @@
 -- ARGV[2]  lease in milliseconds
 -- ARGV[3]  expiry of the state key (the record retention) in milliseconds
 -- ARGV[4]  the holder's tag (e.g. a request fingerprint), shown to contenders
+-- ARGV[5]  where a new fencing counter starts: the caller's clock, in microseconds
 --
 -- Returns {2, record} when completed in one part, {2, first part (nil if missing), parts} when
 -- completed streamed, {1, fence} when taken, {0, pttl, tag, holder's fence, parts appended}
@@ -24,6 +25,12 @@ if done[2] then
   return {2, redis.call('LINDEX', KEYS[3], 0), tonumber(done[2])}
 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  -- The counter expires with the record. Started again from 0 it would hand the next run the
+  -- fence of a run already stored, and parts bound to their writer's fence would be
+  -- interchangeable between the two: a new counter starts from the caller's clock instead.
+  if redis.call('HEXISTS', KEYS[2], 'n') == 0 then
+    redis.call('HSET', KEYS[2], 'n', ARGV[5])
+  end
   local fence = redis.call('HINCRBY', KEYS[2], 'n', 1)
   redis.call('HSET', KEYS[2], 'm', ARGV[4])
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
