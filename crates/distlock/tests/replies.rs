@@ -445,3 +445,99 @@ async fn a_failed_replica_check_releases_the_lock() {
         "the lock stays behind after the replica check failed"
     );
 }
+
+/// A release wakes the next waiter of its own client as soon as the release is on the
+/// connection, not when its reply comes back: the waiter's acquisition follows the release on
+/// the same connection, so Redis runs it right after the compare-and-delete and the lock changes
+/// hands in one round trip instead of two. Replies are held back 2 s here: the waiter's token is
+/// in Redis while the release's reply is still on its way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_local_waiter_takes_the_lock_in_the_releases_round_trip() {
+    let server = RedisServer::start_owned().await;
+    let proxy = FaultProxy::start(&server).await;
+    let prefix = testkit::unique_prefix("hand-over");
+    // No polling: the waiter sends nothing until it is woken (an attempt of its own in flight
+    // when replies start lagging would keep it busy for the delay).
+    let config = LockConfig::builder()
+        .lease(Duration::from_secs(30))
+        .op_timeout(Duration::from_secs(5))
+        .polling(false)
+        .build()
+        .unwrap();
+    let client = client_via(&proxy, &prefix, config).await;
+    let lock = client.lock("job").unwrap();
+    let (key, channel) = (
+        lock.name().lock_key().to_owned(),
+        lock.name().channel().to_owned(),
+    );
+    let held = lock.try_acquire().await.unwrap();
+    let ours = held.token().as_str().to_owned();
+    let mut admin = server.connection().await;
+    let evalsha_calls = |info: String| -> u64 {
+        info.lines()
+            .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    let stats = || async {
+        let mut c = server.connection().await;
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        info
+    };
+    let before = evalsha_calls(stats().await);
+    let waiter = tokio::spawn({
+        let lock = lock.clone();
+        async move { lock.acquire(Duration::from_secs(30)).await }
+    });
+    // The waiter tried, subscribed, and looked again: two attempts, then it sleeps.
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            let (_, subscribers): (String, i64) = redis::cmd("PUBSUB")
+                .arg("NUMSUB")
+                .arg(&channel)
+                .query_async(&mut server.connection().await)
+                .await
+                .unwrap();
+            subscribers > 0 && evalsha_calls(stats().await) >= before + 2
+        })
+        .await,
+        "the waiter never settled to wait"
+    );
+    // Its second attempt's reply on its way back, not held back by the delay below.
+    tokio::time::sleep(ms(100)).await;
+    proxy.delay_replies(Duration::from_secs(2));
+    let release = tokio::spawn(held.release());
+    let mut handed_over = false;
+    let deadline = Instant::now() + ms(1_500);
+    while Instant::now() < deadline {
+        let value: Option<String> = admin.get(&key).await.unwrap();
+        if value.is_some_and(|v| v != ours) {
+            handed_over = true;
+            break;
+        }
+        tokio::time::sleep(ms(5)).await;
+    }
+    assert!(
+        handed_over,
+        "the waiter's acquisition reached Redis only after the release's reply came back"
+    );
+    assert!(
+        !release.is_finished(),
+        "the release's reply is still held back by the proxy"
+    );
+    assert!(release.await.unwrap().unwrap(), "the release was ours");
+    let guard = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter got its reply")
+        .unwrap()
+        .unwrap();
+    let value: Option<String> = admin.get(&key).await.unwrap();
+    assert_eq!(value.as_deref(), Some(guard.token().as_str()));
+    proxy.heal();
+    assert!(guard.release().await.unwrap());
+}

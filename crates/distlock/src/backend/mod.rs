@@ -118,14 +118,42 @@ pub(crate) async fn timed<F: Future>(
     }
 }
 
-/// Releases (compare-and-delete) and, if the lock was ours, wakes the next waiter in this
-/// client at once rather than when the store's announcement comes back (the announcement
-/// carries the same token, so it does not wake a second one). A reentrant hold is one of
-/// several: whether its release freed the lock only the store knows, and it announces (and the
-/// in-memory store wakes) only the last one, so no local waiter is woken for nothing.
+/// Releases (compare-and-delete) and wakes the next waiter in this client at once rather than
+/// when the store's announcement comes back (the announcement carries the same token, so it
+/// does not wake a second one).
+///
+/// A store across the network is not waited for: the waiter is woken as soon as the release is
+/// on the connection, so its acquisition follows the release on that connection, the store runs
+/// it right after the compare-and-delete, and the lock changes hands in one round trip instead
+/// of two. Exclusion does not depend on it: the waiter only ever takes a free lock (`SET NX`).
+/// Should the release find the lock no longer ours, or reach the store after the waiter's
+/// attempt (a reconnect between the two), that attempt finds the lock held and the waiter
+/// waits on (then for the holder's release or lease end, or its next poll). Such a hand-over
+/// comes before other clients' waiters can try, so only [`waiters::Waiters::may_hand_over`]
+/// in a row: then one release wakes the local waiter once answered, and they race on equal
+/// terms.
+///
+/// A reentrant hold is one of several: whether its release freed the lock only the store
+/// knows, and it announces (and the in-memory store wakes) only the last one, so no local
+/// waiter is woken for nothing.
 pub(crate) async fn release_and_wake(backend: &dyn Backend, op: &Op) -> Result<bool, LockError> {
-    let released = backend.release(op).await?;
-    if released && !matches!(op.mode, Mode::Reentrant { .. }) {
+    use futures_util::FutureExt;
+    let wakes = !matches!(op.mode, Mode::Reentrant { .. });
+    let mut release = backend.release(op);
+    // One poll sends it (a store that answers at once, the in-memory one, answers it too).
+    if let Some(answered) = (&mut release).now_or_never() {
+        let released = answered?;
+        if released && wakes {
+            wake_next(backend, op);
+        }
+        return Ok(released);
+    }
+    let early = wakes && backend.waiters().may_hand_over(op.name.channel());
+    if early {
+        wake_next(backend, op);
+    }
+    let released = release.await?;
+    if released && wakes && !early {
         wake_next(backend, op);
     }
     Ok(released)

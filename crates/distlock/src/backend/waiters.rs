@@ -16,7 +16,7 @@
 //! same release heard from several nodes wakes one acquirer, not one per node; a progress
 //! announcement starts with `+` (a token never does).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -65,8 +65,11 @@ struct Slot {
     notify: Arc<Notify>,
     acquirers: usize,
     readers: usize,
-    /// The token of the last release announced on this channel.
-    last: Vec<u8>,
+    /// The tokens of the last releases announced on this channel (or made here), newest last:
+    /// the same release heard again (from another node, or from the store after it was made
+    /// here) wakes no one. Several, because local hand-overs run ahead of the store's
+    /// announcements.
+    recent: VecDeque<Vec<u8>>,
     /// Bumped by every announcement: wakes every reader.
     progress: watch::Sender<u64>,
     /// Bumped by progress announcements only (a part appended): wakes every run-once acquirer
@@ -74,7 +77,17 @@ struct Slot {
     appends: watch::Sender<u64>,
     /// Whether a feed confirmed the subscription (`None`: no feed, local wake-ups only).
     confirmed: Option<watch::Receiver<bool>>,
+    /// Releases in a row that woke a local acquirer before their reply (see
+    /// [`Waiters::may_hand_over`]).
+    handovers: u32,
 }
+
+/// Local hand-overs in a row before one release lets other clients' waiters race for the lock.
+const HANDOVERS: u32 = 8;
+
+/// Release tokens remembered per channel: more than the releases a store's announcement can lag
+/// behind (local hand-overs take one round trip each).
+const RECENT: usize = 32;
 
 fn bump(signal: &watch::Sender<u64>) {
     signal.send_modify(|n| *n = n.wrapping_add(1));
@@ -213,10 +226,11 @@ impl Waiters {
                 notify: Arc::new(Notify::new()),
                 acquirers: 0,
                 readers: 0,
-                last: Vec::new(),
+                recent: VecDeque::with_capacity(RECENT),
                 progress: watch::channel(0).0,
                 appends: watch::channel(0).0,
                 confirmed,
+                handovers: 0,
             }
         });
         match kind {
@@ -246,11 +260,19 @@ impl Waiters {
                 bump(&slot.appends);
                 return;
             }
-            if !token.is_empty() && slot.last == token {
-                return;
+            if !token.is_empty() {
+                if slot.recent.iter().any(|t| t == token) {
+                    return;
+                }
+                let mut entry = if slot.recent.len() == RECENT {
+                    slot.recent.pop_front().unwrap_or_default()
+                } else {
+                    Vec::new()
+                };
+                entry.clear();
+                entry.extend_from_slice(token);
+                slot.recent.push_back(entry);
             }
-            slot.last.clear();
-            slot.last.extend_from_slice(token);
             slot.notify.notify_one();
         }
     }
@@ -281,6 +303,29 @@ impl Waiters {
     pub(crate) fn is_waited(&self, channel: &str) -> bool {
         let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         slots.contains_key(channel)
+    }
+
+    /// Whether a release on `channel`, sent and not yet answered, may wake the next local
+    /// acquirer now: its acquisition then follows the release on the connection and the lock
+    /// changes hands in the release's round trip, before other clients' waiters (woken by the
+    /// store's announcement) can try. So at most [`HANDOVERS`] in a row: the next release wakes
+    /// the local acquirer only once answered, and other clients' waiters race it on equal
+    /// terms; none of them waits through more than that many local hand-overs per chance.
+    pub(crate) fn may_hand_over(&self, channel: &str) -> bool {
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(slot) = slots.get_mut(channel) else {
+            return false;
+        };
+        if slot.acquirers == 0 {
+            return false;
+        }
+        if slot.handovers < HANDOVERS {
+            slot.handovers += 1;
+            true
+        } else {
+            slot.handovers = 0;
+            false
+        }
     }
 
     /// Whether tasks of this client wait to acquire the lock of `channel`.
@@ -408,6 +453,29 @@ mod tests {
         assert_eq!(u8::from(woke(&a).await) + u8::from(woke(&b).await), 1);
         reg.wake("c", b"t2"); // a new release
         assert_eq!(u8::from(woke(&a).await) + u8::from(woke(&b).await), 1);
+    }
+
+    /// Local releases hand the lock over faster than the store's announcements come back: the
+    /// announcement of a release that already woke its waiter, arriving after later releases
+    /// woke theirs, must wake no one (each such stray wake is a failed attempt).
+    #[tokio::test]
+    async fn a_late_announcement_of_an_earlier_release_wakes_no_one() {
+        let reg = Waiters::local();
+        let waiters: Vec<_> = (0..3).map(|_| reg.register("c")).collect();
+        let woken = || async {
+            let mut n = 0;
+            for w in &waiters {
+                n += u8::from(woke(w).await);
+            }
+            n
+        };
+        reg.wake("c", b"t1"); // released here, its waiter woken at once
+        assert_eq!(woken().await, 1);
+        reg.wake("c", b"t2"); // the next release here
+        assert_eq!(woken().await, 1);
+        reg.wake("c", b"t1"); // the store's announcement of the first, late
+        reg.wake("c", b"t2");
+        assert_eq!(woken().await, 0, "late announcements woke a waiter");
     }
 
     async fn progressed(w: &mut Waiter) -> bool {
