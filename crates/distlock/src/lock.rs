@@ -147,9 +147,9 @@ impl Lock {
 
     async fn acquire_with(&self, deadline: Option<Instant>) -> Result<LockGuard, LockError> {
         let started = clock::now();
-        let op = self.op();
+        let mut op = self.op();
         let backend = self.client.backend();
-        let (attempt, sent) = acquire_until(backend, &op, &self.config, deadline).await?;
+        let (attempt, sent) = acquire_until(backend, &mut op, &self.config, deadline).await?;
         match attempt {
             Attempt::Acquired { fence } => Ok(LockGuard::start(
                 self.client.watchdog(),
@@ -270,9 +270,15 @@ fn spawn_cleanup(backend: Arc<dyn Backend>, op: Op, config: LockConfig, sent: In
 /// Attempts until the lock is taken (or completed), or until `deadline` (a single attempt when
 /// `None`). Returns the last attempt: `Held` means the deadline passed, or (run-once) that the
 /// holder is streaming its record (`parts > 0`), which a waiting duplicate can follow live.
+///
+/// Every attempt after the first draws a new token into `op` (the caller's guard takes the
+/// one that won). A failed attempt can leave its token announced as released (Redlock rolls a
+/// split vote back on the nodes it won, and the rollback announces itself), and announcements
+/// already heard wake no one: with the same token, the release of a later winning attempt would
+/// wake none of this client's waiters.
 pub(crate) async fn acquire_until(
     backend: &Arc<dyn Backend>,
-    op: &Op,
+    op: &mut Op,
     config: &LockConfig,
     deadline: Option<Instant>,
 ) -> Result<(Attempt, Instant), LockError> {
@@ -283,6 +289,12 @@ pub(crate) async fn acquire_until(
     let once = matches!(op.mode, Mode::Once { .. });
     let mut waiter = None;
     let mut backoff = Backoff::new(config.retry_base(), config.retry_max());
+    // Woken by a release, and the attempt that followed found the lock still held. A local
+    // release wakes its waiter as soon as it is sent (`release_and_wake`); should the release
+    // reach the store after that waiter's attempt (a reconnect, a script reloaded), its
+    // announcement wakes no one (the waiter counts it as heard): look again after the shortest
+    // delay, whether or not this lock polls.
+    let mut woken = false;
     if backend.waiters().has_acquirers(op.name.channel()) {
         // Others in this client already wait for this lock: queue behind them (releases wake
         // waiters in arrival order) instead of barging past them with an attempt of our own.
@@ -290,7 +302,9 @@ pub(crate) async fn acquire_until(
         // Releases in this client wake the next waiter directly, so wait for that (with the
         // longest polling delay as the fallback).
         let left = deadline.saturating_duration_since(clock::now());
-        let _ = tokio::time::timeout(config.retry_max().min(left), registered.woken(once)).await;
+        woken = tokio::time::timeout(config.retry_max().min(left), registered.woken(once))
+            .await
+            .is_ok();
         registered.mark_seen();
         waiter = Some(registered);
     }
@@ -322,14 +336,18 @@ pub(crate) async fn acquire_until(
                     // Wake when the holder's lease ends: a crashed holder sends no release.
                     delay = delay.min(*ttl + Duration::from_millis(1));
                 }
-                tokio::select! {
-                    () = registered.woken(once) => {}
-                    () = tokio::time::sleep(delay) => {}
+                if woken {
+                    delay = delay.min(config.retry_base());
                 }
+                woken = tokio::select! {
+                    () = registered.woken(once) => true,
+                    () = tokio::time::sleep(delay) => false,
+                };
                 // Announcements from here on wake the next wait.
                 registered.mark_seen();
             }
         }
+        op.token = Token::random();
         (last, sent) = attempt(backend, op, config).await?;
     }
 }

@@ -612,7 +612,7 @@ impl Once {
     }
 
     async fn begin_with(&self, tag: Bytes, deadline: Option<Instant>) -> Result<Begin, LockError> {
-        let op = Op {
+        let mut op = Op {
             name: self.name.clone(),
             token: Token::random(),
             lease: self.config.lease(),
@@ -625,7 +625,7 @@ impl Once {
             },
         };
         let backend = self.client.backend();
-        let (attempt, sent) = acquire_until(backend, &op, &self.config, deadline).await?;
+        let (attempt, sent) = acquire_until(backend, &mut op, &self.config, deadline).await?;
         Ok(match attempt {
             Attempt::Acquired { fence } => Begin::Acquired(OnceGuard {
                 guard: LockGuard::start(

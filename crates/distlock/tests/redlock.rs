@@ -1030,3 +1030,54 @@ async fn a_late_background_raise_never_lowers_a_fence() {
     );
     assert!(guard.release().await.unwrap());
 }
+
+/// A split vote is rolled back on the nodes it won, and the rollback announces the attempt's
+/// token as released. The attempt that later wins must hold the lock under a token of its own:
+/// under the same one, its release would look like that old announcement heard again and wake
+/// none of this client's waiters (which, without polling, would sleep until the lease's end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_after_a_split_vote_still_wakes_the_next_waiter() {
+    let n = nodes(3, false).await;
+    let prefix = testkit::unique_prefix("rl-split-wake");
+    let config = LockConfig::builder()
+        .lease(Duration::from_secs(30))
+        .polling(false)
+        .build()
+        .unwrap();
+    let client = redlock_with(&n, &prefix, config, ms(500)).await;
+    let lock = client.lock("k").unwrap();
+    let key = lock.name().lock_key().to_owned();
+    // Two nodes held briefly by someone else: the first attempt wins one node of three.
+    for node in &n[..2] {
+        let mut c = node.connection().await;
+        let _: () = redis::cmd("SET")
+            .arg(&key)
+            .arg("someone-else")
+            .arg("PX")
+            .arg(400)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    }
+    let first = tokio::time::timeout(
+        Duration::from_secs(10),
+        lock.acquire(Duration::from_secs(5)),
+    )
+    .await
+    .expect("the lock is taken once the other holder's keys expire")
+    .unwrap();
+    let waiter = tokio::spawn({
+        let lock = lock.clone();
+        async move { lock.acquire(Duration::from_secs(25)).await }
+    });
+    // The waiter tried, found the lock held for 30 s, and sleeps until woken.
+    tokio::time::sleep(ms(300)).await;
+    assert!(!waiter.is_finished());
+    assert!(first.release().await.unwrap());
+    let next = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("the waiter still waits 5 s after the release")
+        .unwrap()
+        .unwrap();
+    assert!(next.release().await.unwrap());
+}

@@ -126,12 +126,14 @@ pub(crate) async fn timed<F: Future>(
 /// on the connection, so its acquisition follows the release on that connection, the store runs
 /// it right after the compare-and-delete, and the lock changes hands in one round trip instead
 /// of two. Exclusion does not depend on it: the waiter only ever takes a free lock (`SET NX`).
-/// Should the release find the lock no longer ours, or reach the store after the waiter's
-/// attempt (a reconnect between the two), that attempt finds the lock held and the waiter
-/// waits on (then for the holder's release or lease end, or its next poll). Such a hand-over
-/// comes before other clients' waiters can try, so only [`waiters::Waiters::may_hand_over`]
-/// in a row: then one release wakes the local waiter once answered, and they race on equal
-/// terms.
+/// Should the release find the lock no longer ours, that attempt finds the lock held and the
+/// waiter waits on as before. Should the release reach the store after the waiter's attempt (a
+/// reconnect between the two, a script reloaded after `NOSCRIPT`), its announcement wakes no
+/// one (the waiter counts it as heard), so a waiter whose attempt after a wake failed looks
+/// again after the shortest delay (see the acquire loop in `lock.rs`). A hand-over comes before
+/// other clients' waiters can try, so not every release makes one
+/// ([`waiters::Waiters::may_hand_over`]): one in nine wakes the local waiter once answered,
+/// and they race as before.
 ///
 /// A reentrant hold is one of several: whether its release freed the lock only the store
 /// knows, and it announces (and the in-memory store wakes) only the last one, so no local

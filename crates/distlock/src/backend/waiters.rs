@@ -65,11 +65,7 @@ struct Slot {
     notify: Arc<Notify>,
     acquirers: usize,
     readers: usize,
-    /// The tokens of the last releases announced on this channel (or made here), newest last:
-    /// the same release heard again (from another node, or from the store after it was made
-    /// here) wakes no one. Several, because local hand-overs run ahead of the store's
-    /// announcements.
-    recent: VecDeque<Vec<u8>>,
+
     /// Bumped by every announcement: wakes every reader.
     progress: watch::Sender<u64>,
     /// Bumped by progress announcements only (a part appended): wakes every run-once acquirer
@@ -77,17 +73,15 @@ struct Slot {
     appends: watch::Sender<u64>,
     /// Whether a feed confirmed the subscription (`None`: no feed, local wake-ups only).
     confirmed: Option<watch::Receiver<bool>>,
-    /// Releases in a row that woke a local acquirer before their reply (see
-    /// [`Waiters::may_hand_over`]).
-    handovers: u32,
 }
 
-/// Local hand-overs in a row before one release lets other clients' waiters race for the lock.
-const HANDOVERS: u32 = 8;
+/// One release in this many wakes the next local acquirer only once answered (see
+/// [`Waiters::may_hand_over`]).
+const FAIR_EVERY: u32 = 9;
 
-/// Release tokens remembered per channel: more than the releases a store's announcement can lag
-/// behind (local hand-overs take one round trip each).
-const RECENT: usize = 32;
+/// Release tokens remembered: more than the releases a store's announcement can lag behind
+/// (local hand-overs take one round trip each), across every channel of the client.
+const RECENT: usize = 64;
 
 fn bump(signal: &watch::Sender<u64>) {
     signal.send_modify(|n| *n = n.wrapping_add(1));
@@ -100,6 +94,11 @@ type Starter = Box<dyn FnOnce(&tokio::runtime::Handle) + Send>;
 #[derive(Default)]
 pub(crate) struct Waiters {
     slots: Mutex<HashMap<String, Slot>>,
+    /// The tokens of the last releases announced (or made here), newest last: the same release
+    /// heard again (from another node, or from the store after it was made here) wakes no one.
+    /// Several, because local hand-overs run ahead of the store's announcements. Locked inside
+    /// `slots`, never the other way round.
+    recent: Mutex<VecDeque<Vec<u8>>>,
     feeds: Vec<mpsc::UnboundedSender<Command>>,
     /// The pub/sub tasks not started yet (the client was built outside a runtime).
     starter: Mutex<Option<Starter>>,
@@ -168,6 +167,7 @@ impl Waiters {
     pub(crate) fn with_feeds(feeds: Vec<mpsc::UnboundedSender<Command>>) -> Arc<Self> {
         Arc::new(Waiters {
             slots: Mutex::default(),
+            recent: Mutex::default(),
             feeds,
             starter: Mutex::default(),
             background: Arc::default(),
@@ -226,11 +226,9 @@ impl Waiters {
                 notify: Arc::new(Notify::new()),
                 acquirers: 0,
                 readers: 0,
-                recent: VecDeque::with_capacity(RECENT),
                 progress: watch::channel(0).0,
                 appends: watch::channel(0).0,
                 confirmed,
-                handovers: 0,
             }
         });
         match kind {
@@ -261,17 +259,20 @@ impl Waiters {
                 return;
             }
             if !token.is_empty() {
-                if slot.recent.iter().any(|t| t == token) {
+                // Tokens are random: one list for every channel, kept while channels come and
+                // go (a slot is dropped with its last waiter, and made again by the next).
+                let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+                if recent.iter().any(|t| t == token) {
                     return;
                 }
-                let mut entry = if slot.recent.len() == RECENT {
-                    slot.recent.pop_front().unwrap_or_default()
+                let mut entry = if recent.len() == RECENT {
+                    recent.pop_front().unwrap_or_default()
                 } else {
                     Vec::new()
                 };
                 entry.clear();
                 entry.extend_from_slice(token);
-                slot.recent.push_back(entry);
+                recent.push_back(entry);
             }
             slot.notify.notify_one();
         }
@@ -308,24 +309,12 @@ impl Waiters {
     /// Whether a release on `channel`, sent and not yet answered, may wake the next local
     /// acquirer now: its acquisition then follows the release on the connection and the lock
     /// changes hands in the release's round trip, before other clients' waiters (woken by the
-    /// store's announcement) can try. So at most [`HANDOVERS`] in a row: the next release wakes
-    /// the local acquirer only once answered, and other clients' waiters race it on equal
-    /// terms; none of them waits through more than that many local hand-overs per chance.
+    /// store's announcement) can try. So not always: one release in [`FAIR_EVERY`], drawn at
+    /// random (nothing about a channel's local waiters lasts from one release to the next, so
+    /// a count could restart every time), wakes the local acquirer only once answered, and other
+    /// clients' waiters race it as they did before hand-overs.
     pub(crate) fn may_hand_over(&self, channel: &str) -> bool {
-        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(slot) = slots.get_mut(channel) else {
-            return false;
-        };
-        if slot.acquirers == 0 {
-            return false;
-        }
-        if slot.handovers < HANDOVERS {
-            slot.handovers += 1;
-            true
-        } else {
-            slot.handovers = 0;
-            false
-        }
+        self.has_acquirers(channel) && fastrand::u32(..FAIR_EVERY) != 0
     }
 
     /// Whether tasks of this client wait to acquire the lock of `channel`.
@@ -476,6 +465,17 @@ mod tests {
         reg.wake("c", b"t1"); // the store's announcement of the first, late
         reg.wake("c", b"t2");
         assert_eq!(woken().await, 0, "late announcements woke a waiter");
+        // Even when every waiter had left in between (the channel's slot dropped and made
+        // again by the next waiter).
+        drop(waiters);
+        let next = reg.register("c");
+        reg.wake("c", b"t2");
+        assert!(
+            !woke(&next).await,
+            "a late announcement woke the next waiter"
+        );
+        reg.wake("c", b"t3");
+        assert!(woke(&next).await, "a new release wakes it");
     }
 
     async fn progressed(w: &mut Waiter) -> bool {
