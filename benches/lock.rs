@@ -574,17 +574,7 @@ async fn run(mode: Mode) {
         "/ rslock",
     ]);
     row(&["---", "---", "---", "---", "---", "---"]);
-    for ((label, _, _), series) in ALTERNATIVES.iter().zip(&alternatives) {
-        row(&[
-            label,
-            &ops(&series.ops),
-            &series.cpu(),
-            &series.ops.ratio(&alternatives[0].ops).fmt_ratio(),
-            &series.ops.ratio(&raw_con.ops).fmt_ratio(),
-            &series.ops.ratio(&rs_con.ops).fmt_ratio(),
-        ]);
-    }
-    for (label, series) in [
+    let references = [
         (
             "(reference) raw limit: SET NX PX + compare-and-delete, unfenced",
             &raw_con,
@@ -592,7 +582,12 @@ async fn run(mode: Mode) {
         ("(reference) rslock, unfenced", &rs_con),
         ("(reference) ours, the crate, fenced", &ours_con),
         ("(reference) ours, the crate, fencing off", &unf_con),
-    ] {
+    ];
+    let measured = ALTERNATIVES
+        .iter()
+        .map(|(label, _, _)| *label)
+        .zip(&alternatives);
+    for (label, series) in measured.chain(references) {
         row(&[
             label,
             &ops(&series.ops),

@@ -512,13 +512,7 @@ async fn hand_over(server: &RedisServer, proxy: &FaultProxy, client: &LockClient
     // The waiter tried, subscribed, and looked again: two attempts, then it sleeps.
     assert!(
         eventually(Duration::from_secs(10), || async {
-            let (_, subscribers): (String, i64) = redis::cmd("PUBSUB")
-                .arg("NUMSUB")
-                .arg(&channel)
-                .query_async(&mut server.connection().await)
-                .await
-                .unwrap();
-            subscribers > 0 && evalsha_calls().await >= before + 2
+            server.subscribers(&channel).await > 0 && evalsha_calls().await >= before + 2
         })
         .await,
         "the waiter never settled to wait"

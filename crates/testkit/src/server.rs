@@ -412,6 +412,32 @@ impl RedisServer {
         format!("redis://{name}:{USER_PASSWORD}@127.0.0.1:{}/", self.port())
     }
 
+    /// Clients subscribed to `channel` (`PUBSUB NUMSUB`).
+    pub async fn subscribers(&self, channel: &str) -> u64 {
+        let (_, n): (String, u64) = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg(channel)
+            .query_async(&mut self.connection().await)
+            .await
+            .unwrap_or_else(|e| panic!("PUBSUB NUMSUB {channel}: {e}"));
+        n
+    }
+
+    /// Waits, looking every 5 ms for up to `limit`, until a client subscribed to `channel`;
+    /// returns whether one did (a waiter that subscribed waits for announcements there).
+    pub async fn subscribed(&self, channel: &str, limit: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            if self.subscribers(channel).await > 0 {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+
     /// The server's version as it reports it (`INFO server`): `("redis", "7.0.15")` or
     /// `("valkey", "9.1.2")`.
     pub async fn version(&self) -> (String, String) {

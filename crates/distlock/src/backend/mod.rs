@@ -143,18 +143,15 @@ pub(crate) async fn release_and_wake(backend: &dyn Backend, op: &Op) -> Result<b
     let wakes = !matches!(op.mode, Mode::Reentrant { .. });
     let mut release = backend.release(op);
     // One poll sends it (a store that answers at once, the in-memory one, answers it too).
-    if let Some(answered) = (&mut release).now_or_never() {
-        let released = answered?;
-        if released && wakes {
-            wake_next(backend, op);
-        }
-        return Ok(released);
-    }
-    let early = wakes && backend.waiters().may_hand_over(op.name.channel());
+    let answered = (&mut release).now_or_never();
+    let early = answered.is_none() && wakes && backend.waiters().may_hand_over(op.name.channel());
     if early {
         wake_next(backend, op);
     }
-    let released = release.await?;
+    let released = match answered {
+        Some(answered) => answered?,
+        None => release.await?,
+    };
     if released && wakes && !early {
         wake_next(backend, op);
     }

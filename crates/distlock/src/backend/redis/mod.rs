@@ -162,13 +162,7 @@ pub(crate) fn parse_parts(name: &str, from: u64, reply: Value) -> Result<Parts, 
         number(&count, "part count")?,
         number(&stored, "stored count")?,
     );
-    let Value::Array(list) = list else {
-        return Err(bad("no part list"));
-    };
-    let parts = list
-        .into_iter()
-        .map(|v| bytes(v).ok_or_else(|| bad("a part is not a string")))
-        .collect::<Result<Vec<_>, _>>()?;
+    let parts = parse_list(name, "parts", list)?;
     let (state, lease_left) = match int(&status) {
         Some(2) if stored < count => {
             return Err(LockError::broken(
@@ -227,6 +221,28 @@ fn counter_start() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
         // Below 2^53: Lua counts in doubles, and a larger counter would lose its last digits.
         .min((1 << 53) - (1 << 32))
+}
+
+/// The `LRANGE` indexes of up to `max` parts from `from` (Redis list indexes are signed 64-bit:
+/// no list is that long).
+fn list_range(from: u64, max: usize) -> (u64, u64) {
+    let start = from.min(i64::MAX as u64);
+    let last = start
+        .saturating_add(max as u64)
+        .saturating_sub(1)
+        .min(i64::MAX as u64);
+    (start, last)
+}
+
+/// A list of parts as Redis replies it.
+fn parse_list(name: &str, what: &str, reply: Value) -> Result<Vec<Bytes>, LockError> {
+    let bad = |detail: &str| LockError::protocol(name, format!("{what}: {detail}"));
+    let Value::Array(list) = reply else {
+        return Err(bad("no part list"));
+    };
+    list.into_iter()
+        .map(|v| bytes(v).ok_or_else(|| bad("a part is not a string")))
+        .collect()
 }
 
 /// The keys of a run-once record: lock, state, parts.
@@ -616,12 +632,7 @@ impl<C: Conn> Backend for RedisBackend<C> {
     ) -> BoxFuture<'a, Result<Parts, LockError>> {
         Box::pin(async move {
             let script = &SCRIPTS.parts;
-            // Redis list indexes are signed 64-bit: no list is that long.
-            let start = from.min(i64::MAX as u64);
-            let last = start
-                .saturating_add(max as u64)
-                .saturating_sub(1)
-                .min(i64::MAX as u64);
+            let (start, last) = list_range(from, max);
             let mut cmd = evalsha(script, &record_keys(name), 3);
             cmd.arg(start).arg(last).arg(max);
             let reply = self.eval(name, false, script, cmd).await?;
@@ -641,11 +652,7 @@ impl<C: Conn> Backend for RedisBackend<C> {
             }
             // A plain `LRANGE`: the parts script would copy every part into Lua and back, which
             // costs Redis about five times the read itself for 64 KiB parts.
-            let start = from.min(i64::MAX as u64);
-            let last = start
-                .saturating_add(max as u64)
-                .saturating_sub(1)
-                .min(i64::MAX as u64);
+            let (start, last) = list_range(from, max);
             let mut conn = self.conn.clone();
             let reply: Value = redis::cmd("LRANGE")
                 .arg(name.parts_key())
@@ -654,24 +661,13 @@ impl<C: Conn> Backend for RedisBackend<C> {
                 .query_async(&mut conn)
                 .await
                 .map_err(|e| LockError::from_redis(name.as_str(), false, e))?;
-            let Value::Array(list) = reply else {
-                return Err(LockError::protocol(
-                    name.as_str(),
-                    format!("stored parts: unexpected reply {reply:?}"),
-                ));
-            };
-            if list.is_empty() {
+            let parts = parse_list(name.as_str(), "stored parts", reply)?;
+            if parts.is_empty() {
                 // Nothing there (a one-part record has no list; a part past the end; a record
                 // gone): the atomic read says what there is, or what is wrong.
                 return Ok(self.parts(name, from, max).await?.into_parts());
             }
-            list.into_iter()
-                .map(|v| {
-                    bytes(v).ok_or_else(|| {
-                        LockError::protocol(name.as_str(), "stored parts: a part is not a string")
-                    })
-                })
-                .collect()
+            Ok(parts)
         })
     }
 
