@@ -30,6 +30,7 @@ use tower_service::Service;
 use crate::Rejection;
 use crate::begin::{Decision, Run};
 use crate::body::{BoxError, RequestBody, ResponseBody};
+use crate::drive::Driving;
 use crate::execution::{self, Execution, Finished, Started};
 use crate::layer::Config;
 use crate::replay::problem;
@@ -60,6 +61,8 @@ pin_project! {
             result: oneshot::Receiver<Finished<ResBody, S::Error>>,
             // Driven here until its head is known, then by the response body.
             execution: Option<Execution>,
+            // Made when the head is not known at the first poll (see `crate::drive`).
+            driving: Option<Driving>,
             fence: u64,
             config: Arc<Config>,
         },
@@ -178,6 +181,7 @@ where
                                     this.state.set(State::Running {
                                         result,
                                         execution: Some(execution),
+                                        driving: None,
                                         fence,
                                         config,
                                     });
@@ -204,15 +208,39 @@ where
                 StateProj::Running {
                     result,
                     execution,
+                    driving,
                     fence,
                     config,
                 } => {
-                    if let Some(running) = execution
-                        && running.poll(cx)
-                    {
-                        *execution = None;
-                    }
-                    let finished = ready!(Pin::new(result).poll(cx));
+                    let polled = match driving {
+                        Some(driving) => {
+                            let (ended, polled) = driving
+                                .poll(cx, execution.as_mut(), |cx| Pin::new(&mut *result).poll(cx));
+                            if ended {
+                                *execution = None;
+                            }
+                            polled
+                        }
+                        None => {
+                            if let Some(running) = execution
+                                && running.poll(cx)
+                            {
+                                *execution = None;
+                            }
+                            match Pin::new(&mut *result).poll(cx) {
+                                Poll::Ready(finished) => Poll::Ready(finished),
+                                // The head comes later: from now on the channel holds a waker
+                                // that driving the execution does not set off.
+                                Poll::Pending => {
+                                    driving
+                                        .insert(Driving::new())
+                                        .poll(cx, None, |cx| Pin::new(&mut *result).poll(cx))
+                                        .1
+                                }
+                            }
+                        }
+                    };
+                    let finished = ready!(polled);
                     let execution = execution.take();
                     let fence = *fence;
                     let config = config.clone();

@@ -137,6 +137,7 @@ mod begin;
 mod body;
 mod complete;
 mod context;
+mod drive;
 mod execution;
 mod fingerprint;
 mod future;

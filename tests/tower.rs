@@ -3,6 +3,7 @@
 //! gets the layer's `RequestBody` around the original body type).
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -66,4 +67,68 @@ async fn works_in_a_service_builder_with_other_body_types() {
         first_body
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A waker that counts its wakes.
+struct Wakes(AtomicUsize);
+
+impl std::task::Wake for Wakes {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// The response future drives the execution and then waits for its response head from it, in
+/// one task. The head a handler returns after its first poll must not wake the task that is
+/// polling: tokio reschedules a task woken during its own poll as one that yielded (on a
+/// multi-thread runtime, another worker woken to steal it), once per request whose handler
+/// waits for anything.
+#[tokio::test]
+async fn a_handler_that_answers_later_does_not_wake_the_task_polling_it() {
+    let (answer, answered) = tokio::sync::oneshot::channel::<()>();
+    let answered = Arc::new(std::sync::Mutex::new(Some(answered)));
+    let svc = ServiceBuilder::new()
+        .layer(
+            IdempotencyLayer::builder(Store::memory())
+                .global_keys()
+                .build()
+                .unwrap(),
+        )
+        .service_fn(move |_req: Request<RequestBody<Full<Bytes>>>| {
+            let answered = answered.lock().unwrap().take();
+            async move {
+                if let Some(answered) = answered {
+                    let _ = answered.await;
+                }
+                Ok::<_, Infallible>(Response::new("done".to_owned()))
+            }
+        });
+    let request = Request::post("/orders")
+        .header("idempotency-key", "order-1")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    let mut future = std::pin::pin!(svc.oneshot(request));
+    let wakes = Arc::new(Wakes(AtomicUsize::new(0)));
+    let waker = std::task::Waker::from(wakes.clone());
+    let mut cx = std::task::Context::from_waker(&waker);
+    assert!(
+        future.as_mut().poll(&mut cx).is_pending(),
+        "the handler waits"
+    );
+    answer.send(()).unwrap();
+    let woken = wakes.0.load(Ordering::SeqCst);
+    assert_eq!(woken, 1, "the handler's answer wakes the task once");
+    let response = match future.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(response) => response.unwrap(),
+        std::task::Poll::Pending => panic!("the answered handler's response is ready"),
+    };
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        wakes.0.load(Ordering::SeqCst),
+        woken,
+        "the response head woke the task that was polling for it"
+    );
 }

@@ -10,6 +10,7 @@ use pin_project_lite::pin_project;
 use tokio::sync::mpsc;
 
 use super::BoxError;
+use crate::drive::Driving;
 use crate::execution::Execution;
 
 /// What the protected execution sends to the client's body, frame by frame.
@@ -40,6 +41,7 @@ impl Feed {
             kind: Kind::Fed {
                 rx,
                 driver: None,
+                driving: None,
                 ended: false,
             },
         };
@@ -90,7 +92,13 @@ pin_project! {
     enum Kind<B> {
         Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
         Inner { #[pin] inner: B },
-        Fed { rx: mpsc::Receiver<Message>, driver: Option<Execution>, ended: bool },
+        Fed {
+            rx: mpsc::Receiver<Message>,
+            driver: Option<Execution>,
+            // Set with the driver: how this body drives it without waking its own task.
+            driving: Option<Driving>,
+            ended: bool,
+        },
     }
 }
 
@@ -129,10 +137,12 @@ impl<B> ResponseBody<B> {
         match &mut self.kind {
             Kind::Fed {
                 driver: slot,
+                driving,
                 ended: false,
                 ..
             } => {
                 *slot = Some(driver);
+                *driving = Some(Driving::new());
                 None
             }
             _ => Some(driver),
@@ -165,16 +175,27 @@ where
                     frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))
                 ))),
             },
-            KindProj::Fed { rx, driver, ended } => {
+            KindProj::Fed {
+                rx,
+                driver,
+                driving,
+                ended,
+            } => {
                 if *ended {
                     return Poll::Ready(None);
                 }
-                if let Some(execution) = driver
-                    && execution.poll(cx)
-                {
-                    *driver = None;
-                }
-                match rx.poll_recv(cx) {
+                let received = match driving {
+                    Some(driving) => {
+                        let (done, received) =
+                            driving.poll(cx, driver.as_mut(), |cx| rx.poll_recv(cx));
+                        if done {
+                            *driver = None;
+                        }
+                        received
+                    }
+                    None => rx.poll_recv(cx),
+                };
+                match received {
                     Poll::Pending => Poll::Pending,
                     Poll::Ready(Some(Message::Frame(frame))) => Poll::Ready(Some(Ok(frame))),
                     Poll::Ready(Some(Message::End)) => {
@@ -219,6 +240,7 @@ where
 mod tests {
     use super::*;
     use http_body_util::{BodyExt, Empty};
+    use std::future::Future;
 
     #[tokio::test]
     async fn a_fed_body_ends_only_on_its_end_message() {
@@ -237,6 +259,68 @@ mod tests {
                 .await;
         });
         assert!(body.collect().await.is_err());
+    }
+
+    /// A waker that counts its wakes.
+    struct Count(std::sync::atomic::AtomicUsize);
+
+    impl std::task::Wake for Count {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.wake_by_ref();
+        }
+        fn wake_by_ref(self: &std::sync::Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// A body that drives its own producer reads what the producer sent in the same poll:
+    /// waking its task for it would make the runtime reschedule the task as if it had yielded
+    /// (on a multi-thread runtime, another worker woken to steal it once per frame). Neither a
+    /// frame sent while the body drives the producer, nor room the body makes for a producer
+    /// waiting to send, wakes the task polling the body.
+    #[test]
+    fn a_body_driving_its_producer_does_not_wake_its_own_task() {
+        let (mut feed, mut body) = Feed::channel::<Empty<Bytes>>();
+        let mut step = 0;
+        let producer = std::future::poll_fn(move |cx| {
+            step += 1;
+            match step {
+                // Nothing yet: the body's receive is registered with its task.
+                1 => Poll::Pending,
+                // More than the feed holds: the producer waits for room.
+                2 => {
+                    for i in 0..Feed::DEPTH {
+                        assert!(
+                            feed.try_send(Message::Frame(Frame::data(Bytes::from(vec![i as u8]))))
+                                .is_ok()
+                        );
+                    }
+                    let mut send = Box::pin(feed.send(Message::End));
+                    assert!(send.as_mut().poll(cx).is_pending(), "the feed is full");
+                    // Kept pending across polls: its registration stays.
+                    std::mem::forget(send);
+                    Poll::Pending
+                }
+                _ => Poll::Pending,
+            }
+        });
+        let _ = body.drive(Execution::cancellable(Box::pin(producer)));
+        let count = std::sync::Arc::new(Count(Default::default()));
+        let waker = std::task::Waker::from(count.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut body = std::pin::Pin::new(&mut body);
+        assert!(body.as_mut().poll_frame(&mut cx).is_pending());
+        // The producer fills the feed and waits for room; the body reads the first frame,
+        // which makes room.
+        match body.as_mut().poll_frame(&mut cx) {
+            Poll::Ready(Some(Ok(frame))) => assert_eq!(frame.into_data().unwrap(), &[0u8][..]),
+            other => panic!("expected the first frame, got {other:?}"),
+        }
+        assert_eq!(
+            count.0.load(std::sync::atomic::Ordering::SeqCst),
+            0,
+            "the body's own task was woken while it was being polled"
+        );
     }
 
     #[tokio::test]
