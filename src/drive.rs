@@ -72,10 +72,18 @@ impl Wake for Driven {
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
-        if self.0.phase.load(Ordering::SeqCst) == RECEIVING {
-            self.0.missed.store(true, Ordering::SeqCst);
-        } else {
-            self.0.task.wake();
+        let shared = &self.0;
+        if shared.phase.load(Ordering::SeqCst) != RECEIVING {
+            shared.task.wake();
+            return;
+        }
+        shared.missed.store(true, Ordering::SeqCst);
+        // The receive may have ended between the check and the record, its poller already past
+        // looking at `missed`: whichever of the two sees the other's write wakes the task.
+        if shared.phase.load(Ordering::SeqCst) != RECEIVING
+            && shared.missed.swap(false, Ordering::SeqCst)
+        {
+            shared.task.wake();
         }
     }
 }
