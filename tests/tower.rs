@@ -15,18 +15,20 @@ use tower_idempotency::{
     IdempotencyContext, IdempotencyLayer, RequestBody, Store, key::RouteTemplate,
 };
 
+/// The layer on the memory store, with keys global to the service.
+fn memory_layer() -> IdempotencyLayer {
+    IdempotencyLayer::builder(Store::memory())
+        .global_keys()
+        .build()
+        .unwrap()
+}
+
 #[tokio::test]
 async fn works_in_a_service_builder_with_other_body_types() {
     let runs = Arc::new(AtomicUsize::new(0));
     let counter = runs.clone();
-    let mut svc = ServiceBuilder::new()
-        .layer(
-            IdempotencyLayer::builder(Store::memory())
-                .global_keys()
-                .build()
-                .unwrap(),
-        )
-        .service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
+    let mut svc = ServiceBuilder::new().layer(memory_layer()).service_fn(
+        move |req: Request<RequestBody<Full<Bytes>>>| {
             let counter = counter.clone();
             async move {
                 let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
@@ -42,7 +44,8 @@ async fn works_in_a_service_builder_with_other_body_types() {
                 *res.status_mut() = StatusCode::ACCEPTED;
                 Ok::<_, Infallible>(res)
             }
-        });
+        },
+    );
     let request = || {
         let mut r = Request::post("/jobs/7")
             .header("idempotency-key", "job-7")
@@ -90,14 +93,8 @@ impl std::task::Wake for Wakes {
 async fn a_handler_that_answers_later_does_not_wake_the_task_polling_it() {
     let (answer, answered) = tokio::sync::oneshot::channel::<()>();
     let answered = Arc::new(std::sync::Mutex::new(Some(answered)));
-    let svc = ServiceBuilder::new()
-        .layer(
-            IdempotencyLayer::builder(Store::memory())
-                .global_keys()
-                .build()
-                .unwrap(),
-        )
-        .service_fn(move |_req: Request<RequestBody<Full<Bytes>>>| {
+    let svc = ServiceBuilder::new().layer(memory_layer()).service_fn(
+        move |_req: Request<RequestBody<Full<Bytes>>>| {
             let answered = answered.lock().unwrap().take();
             async move {
                 if let Some(answered) = answered {
@@ -105,7 +102,8 @@ async fn a_handler_that_answers_later_does_not_wake_the_task_polling_it() {
                 }
                 Ok::<_, Infallible>(Response::new("done".to_owned()))
             }
-        });
+        },
+    );
     let request = Request::post("/orders")
         .header("idempotency-key", "order-1")
         .body(Full::new(Bytes::from_static(b"{}")))
