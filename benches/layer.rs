@@ -1,7 +1,8 @@
 //! The layer's own cost per request, in process (no HTTP, no sockets): the same trivial JSON
 //! handler called through an axum `Router` without the layer, with it on the memory store
 //! (execute: a new key each time; replay: a stored key), and in `cancel_on_disconnect` mode
-//! (the execution driven inline instead of spawned, which isolates what detaching costs).
+//! (the execution driven inline instead of spawned, which isolates what detaching costs), and
+//! the same request after the thread slept (a CPU that was idle, as at low traffic).
 //!
 //! ```sh
 //! cargo bench --bench layer -- --ratios                  # per-round ratios against no layer
@@ -145,6 +146,24 @@ async fn per_request(app: &Router, window: Duration, mut key: impl FnMut() -> St
     started.elapsed().as_secs_f64() * 1e6 / n as f64
 }
 
+/// The pause before each request of [`after_idle`]: long enough for the CPU to go idle.
+const IDLE: Duration = Duration::from_millis(10);
+
+/// Median time (µs) of `n` requests of `app`, each after the thread has slept [`IDLE`]: what a
+/// request costs on a CPU that was idle (on this VM, a halted vCPU: its caches, TLB and branch
+/// predictors come back cold), as at low traffic. The runtime is blocked while it sleeps.
+async fn after_idle(app: &Router, n: usize, mut key: impl FnMut() -> String) -> f64 {
+    let mut samples = Vec::with_capacity(n);
+    for _ in 0..n {
+        let key = key();
+        std::thread::sleep(IDLE);
+        let started = Instant::now();
+        black_box(one(app, &key).await);
+        samples.push(started.elapsed());
+    }
+    common::percentile_us(&mut samples, 50.0)
+}
+
 /// Rounds of: no layer, then each variant, back to back; the layer's added time per request
 /// and throughput ratios, min / median / max over the rounds.
 fn ratios(mode: common::Mode) {
@@ -167,6 +186,8 @@ fn ratios(mode: common::Mode) {
             Series::default(),
         );
         let mut t_inline = Series::default();
+        let (mut idle_none, mut idle_execute) = (Series::default(), Series::default());
+        let idle_n = if mode.full { 60 } else { 3 };
         for _ in 0..mode.rounds {
             // A new store per round: "empty" is a store filling up from nothing.
             let empty = app("detached");
@@ -178,6 +199,8 @@ fn ratios(mode: common::Mode) {
             per_request(&full, mode.warmup, &mut fresh).await;
             t_full.push(per_request(&full, mode.window, &mut fresh).await);
             t_replay.push(per_request(&replay, mode.window, || "stored".to_owned()).await);
+            idle_none.push(after_idle(&none, idle_n, &mut fresh).await);
+            idle_execute.push(after_idle(&empty, idle_n, &mut fresh).await);
         }
         let added = |t: &Series| Series(t.0.iter().zip(&t_none.0).map(|(a, b)| a - b).collect());
         let fmt_us = |s: &Series| format!("{:.2} / {:.2} / {:.2} µs", s.min(), s.median(), s.max());
@@ -226,6 +249,26 @@ fn ratios(mode: common::Mode) {
             "\nWhat being detachable costs (execute minus cancel_on_disconnect): {}",
             fmt_us(&detachable)
         );
+        let idle_added = Series(
+            idle_execute
+                .0
+                .iter()
+                .zip(&idle_none.0)
+                .map(|(a, b)| a - b)
+                .collect(),
+        );
+        println!(
+            "\nAfter an idle pause ({} ms of sleep before each request, median of {idle_n}):\n",
+            IDLE.as_millis()
+        );
+        common::row(&["variant", "time per request", "added by the layer"]);
+        common::row(&["---", "---", "---"]);
+        common::row(&["no layer, after idle", &fmt_us(&idle_none), ""]);
+        common::row(&[
+            "execute, after idle",
+            &fmt_us(&idle_execute),
+            &fmt_us(&idle_added),
+        ]);
     });
 }
 
