@@ -146,17 +146,26 @@ async fn per_request(app: &Router, window: Duration, mut key: impl FnMut() -> St
     started.elapsed().as_secs_f64() * 1e6 / n as f64
 }
 
-/// The pause before each request of [`after_idle`]: long enough for the CPU to go idle.
-const IDLE: Duration = Duration::from_millis(10);
+/// The pause before each request of [`after_pause`]: long enough for the CPU to go idle.
+const PAUSE: Duration = Duration::from_millis(10);
 
-/// Median time (µs) of `n` requests of `app`, each after the thread has slept [`IDLE`]: what a
-/// request costs on a CPU that was idle (on this VM, a halted vCPU: its caches, TLB and branch
-/// predictors come back cold), as at low traffic. The runtime is blocked while it sleeps.
-async fn after_idle(app: &Router, n: usize, mut key: impl FnMut() -> String) -> f64 {
+/// Median time (µs) of `n` requests of `app`, each after a [`PAUSE`]: with `sleep`, the thread
+/// sleeps and the CPU goes idle (on this VM a halted vCPU, which comes back with cold caches,
+/// TLB and predictors), as between the requests of a service at low traffic; without, it spins,
+/// so the CPU stays awake and only time passes (timers, the store's expiries). The runtime is
+/// blocked during the pause.
+async fn after_pause(app: &Router, n: usize, sleep: bool, mut key: impl FnMut() -> String) -> f64 {
     let mut samples = Vec::with_capacity(n);
     for _ in 0..n {
         let key = key();
-        std::thread::sleep(IDLE);
+        if sleep {
+            std::thread::sleep(PAUSE);
+        } else {
+            let spin = Instant::now();
+            while spin.elapsed() < PAUSE {
+                std::hint::spin_loop();
+            }
+        }
         let started = Instant::now();
         black_box(one(app, &key).await);
         samples.push(started.elapsed());
@@ -187,6 +196,7 @@ fn ratios(mode: common::Mode) {
         );
         let mut t_inline = Series::default();
         let (mut idle_none, mut idle_execute) = (Series::default(), Series::default());
+        let (mut busy_none, mut busy_execute) = (Series::default(), Series::default());
         let idle_n = if mode.full { 60 } else { 3 };
         for _ in 0..mode.rounds {
             // A new store per round: "empty" is a store filling up from nothing.
@@ -199,10 +209,15 @@ fn ratios(mode: common::Mode) {
             per_request(&full, mode.warmup, &mut fresh).await;
             t_full.push(per_request(&full, mode.window, &mut fresh).await);
             t_replay.push(per_request(&replay, mode.window, || "stored".to_owned()).await);
-            idle_none.push(after_idle(&none, idle_n, &mut fresh).await);
-            idle_execute.push(after_idle(&empty, idle_n, &mut fresh).await);
+            idle_none.push(after_pause(&none, idle_n, true, &mut fresh).await);
+            idle_execute.push(after_pause(&empty, idle_n, true, &mut fresh).await);
+            busy_none.push(after_pause(&none, idle_n, false, &mut fresh).await);
+            busy_execute.push(after_pause(&empty, idle_n, false, &mut fresh).await);
         }
-        let added = |t: &Series| Series(t.0.iter().zip(&t_none.0).map(|(a, b)| a - b).collect());
+        // Round by round: `t` minus `base`.
+        let minus = |t: &Series, base: &Series| {
+            Series(t.0.iter().zip(&base.0).map(|(a, b)| a - b).collect())
+        };
         let fmt_us = |s: &Series| format!("{:.2} / {:.2} / {:.2} µs", s.min(), s.median(), s.max());
         println!(
             "\n## The layer in process ({} rounds of {} ms; {})\n",
@@ -233,42 +248,32 @@ fn ratios(mode: common::Mode) {
             common::row(&[
                 name,
                 &fmt_us(t),
-                &fmt_us(&added(t)),
+                &fmt_us(&minus(t, &t_none)),
                 &t_none.ratio(t).fmt_ratio(),
             ]);
         }
-        let detachable = Series(
-            t_empty
-                .0
-                .iter()
-                .zip(&t_inline.0)
-                .map(|(a, b)| a - b)
-                .collect(),
-        );
         println!(
             "\nWhat being detachable costs (execute minus cancel_on_disconnect): {}",
-            fmt_us(&detachable)
-        );
-        let idle_added = Series(
-            idle_execute
-                .0
-                .iter()
-                .zip(&idle_none.0)
-                .map(|(a, b)| a - b)
-                .collect(),
+            fmt_us(&minus(&t_empty, &t_inline))
         );
         println!(
-            "\nAfter an idle pause ({} ms of sleep before each request, median of {idle_n}):\n",
-            IDLE.as_millis()
+            "\nAfter a pause of {} ms before each request (median of {idle_n} per round): the \
+             thread sleeps (the CPU goes idle) or spins (the CPU stays awake):\n",
+            PAUSE.as_millis()
         );
         common::row(&["variant", "time per request", "added by the layer"]);
         common::row(&["---", "---", "---"]);
-        common::row(&["no layer, after idle", &fmt_us(&idle_none), ""]);
-        common::row(&[
-            "execute, after idle",
-            &fmt_us(&idle_execute),
-            &fmt_us(&idle_added),
-        ]);
+        for (name, layer, base) in [
+            ("after sleeping", &idle_execute, &idle_none),
+            ("after spinning", &busy_execute, &busy_none),
+        ] {
+            common::row(&[&format!("no layer, {name}"), &fmt_us(base), ""]);
+            common::row(&[
+                &format!("execute, {name}"),
+                &fmt_us(layer),
+                &fmt_us(&minus(layer, base)),
+            ]);
+        }
     });
 }
 
