@@ -19,7 +19,14 @@
 //!
 //! Reported per variant: throughput, p50 and p99 latency, and the server process's CPU time
 //! per request (from /proc, user + system). "execute" requests carry a new key each; "replay"
-//! requests repeat keys whose responses are stored.
+//! requests repeat keys whose responses are stored. At one connection, a server without the
+//! layer whose handler does 15 µs more work (`none-slow`) is measured too: on a machine whose
+//! idle CPUs sleep, the one-connection latency steps up with the server's work per request, and
+//! that row shows the step without the layer.
+//!
+//! A server variant can also be run alone for other tools (it prints its port; stdin closing
+//! stops it), e.g. with `wrk` and `benches/wrk/new_keys.lua`:
+//! `target/release/deps/http-<hash> --serve memory redis://127.0.0.1:1`.
 
 mod common;
 
@@ -51,6 +58,20 @@ async fn pay(body: Bytes) -> (StatusCode, axum::Json<serde_json::Value>) {
         StatusCode::CREATED,
         axum::Json(serde_json::json!({"id": id, "status": "paid", "bytes": body.len()})),
     )
+}
+
+/// The work of [`pay_slow`]: more than the layer's own (section 9 of docs/BENCHMARKS.md).
+const SLOW_HANDLER: Duration = Duration::from_micros(15);
+
+/// [`pay`] after 15 µs of CPU (a spin): a handler that does some work, without the layer. At
+/// one connection it shows what a server whose request takes that much longer pays on this
+/// machine, whatever the reason: the baseline for the layer's added latency.
+async fn pay_slow(body: Bytes) -> (StatusCode, axum::Json<serde_json::Value>) {
+    let started = Instant::now();
+    while started.elapsed() < SLOW_HANDLER {
+        std::hint::spin_loop();
+    }
+    pay(body).await
 }
 
 async fn login_handler<S: ruts::store::SessionStore>(session: ruts::Session<S>) -> StatusCode {
@@ -104,6 +125,7 @@ async fn app(variant: &str, redis_url: &str) -> Router {
     let routes = Router::new().route("/pay", post(pay));
     match variant {
         "none" => routes,
+        "none-slow" => Router::new().route("/pay", post(pay_slow)),
         // Room for every key of a long run: eviction is not what is measured.
         "memory" => routes.layer(layer(Store::memory_with(
             distlock::MemoryLimits::new(4_000_000, 2 << 30).unwrap(),
@@ -538,7 +560,7 @@ async fn drive(mode: Mode) {
         ("peer-valkey", Path::Replay),
     ];
     let valkey = Valkey::start().await;
-    let servers: Vec<(&str, Server)> = ["none", "memory", "redis", "peer"]
+    let servers: Vec<(&str, Server)> = ["none", "none-slow", "memory", "redis", "peer"]
         .into_iter()
         .map(|v| {
             (
@@ -590,7 +612,7 @@ async fn drive(mode: Mode) {
     let (mut rtt, mut rtt_cpu) = (Series::default(), Series::default());
     let (mut rtt_mt, mut rtt_mt_cpu) = (Series::default(), Series::default());
     // One connection, execute: latency without queueing.
-    let single_variants = ["none", "memory", "redis"];
+    let single_variants = ["none", "memory", "redis", "none-slow"];
     let mut single: Vec<Figures> = single_variants.iter().map(|_| Figures::default()).collect();
     for round in 0..mode.rounds {
         eprintln!("round {}/{}", round + 1, mode.rounds);
@@ -796,6 +818,10 @@ async fn drive(mode: Mode) {
     row(&[
         "p50 latency added at one connection, Redis store",
         &span(&added_p50_1),
+    ]);
+    row(&[
+        "p50 latency added at one connection, no layer, handler doing 15 µs more work",
+        &span(&diff(&single[3].p50, &single[0].p50)),
     ]);
     row(&[
         "two Redis round trips (2 × median EVALSHA, plain client, current-thread runtime)",
