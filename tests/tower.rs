@@ -130,3 +130,52 @@ async fn a_handler_that_answers_later_does_not_wake_the_task_polling_it() {
         "the response head woke the task that was polling for it"
     );
 }
+
+/// A streamed response's head goes to the connection as soon as the handler returns it, with
+/// the frames already read; storing the record's head and reading the handler's body further
+/// come after. When the response future resolves, the layer has read the handler's body only
+/// as far as it had to (its first frame, then a poll that found nothing more).
+#[tokio::test]
+async fn a_streamed_head_is_handed_over_before_the_execution_goes_on() {
+    let polls = Arc::new(AtomicUsize::new(0));
+    let counter = polls.clone();
+    let svc = ServiceBuilder::new().layer(memory_layer()).service_fn(
+        move |_req: Request<RequestBody<Full<Bytes>>>| {
+            let counter = counter.clone();
+            async move {
+                let frames = futures_util::stream::poll_fn(move |_| {
+                    match counter.fetch_add(1, Ordering::SeqCst) {
+                        0 => std::task::Poll::Ready(Some(Ok::<_, Infallible>(
+                            http_body::Frame::data(Bytes::from_static(b"data: 1\n\n")),
+                        ))),
+                        // The next event is not there yet (nothing wakes this: the test
+                        // looks only at the head and the first frame).
+                        _ => std::task::Poll::Pending,
+                    }
+                });
+                Ok::<_, Infallible>(Response::new(http_body_util::StreamBody::new(frames)))
+            }
+        },
+    );
+    let request = Request::post("/events")
+        .header("idempotency-key", "stream-1")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    let response = tokio::time::timeout(std::time::Duration::from_secs(10), svc.oneshot(request))
+        .await
+        .expect("the response head comes at once")
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        polls.load(Ordering::SeqCst),
+        2,
+        "the handler's body was read further before its head was handed over"
+    );
+    let mut body = response.into_body();
+    let first = tokio::time::timeout(std::time::Duration::from_secs(10), body.frame())
+        .await
+        .expect("the first frame comes at once")
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.into_data().unwrap(), "data: 1\n\n");
+}
