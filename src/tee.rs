@@ -88,7 +88,7 @@ pub(crate) async fn tee<B, E>(
     // Streamed: the head goes out now, the frames as they come.
     let status = parts.status;
     let headers = parts.headers.clone();
-    let (mut feed, live) = Feed::channel_head_first();
+    let (mut feed, live) = Feed::channel();
     // What was read goes to the client before anything waits on the store; what fits in the
     // feed is queued before the head is handed over, so that the client's first read of the
     // body finds it (the head and the first frames leave in one write, as without the layer).
@@ -102,8 +102,13 @@ pub(crate) async fn tee<B, E>(
         queued += 1;
     }
     let _ = reply.send(Finished::Response(Response::from_parts(parts, live)));
-    // The task driving this execution hands the head (and what was queued) to the connection
-    // before the record's head is sealed and stored, or the handler's body read further.
+    // Let the task that polled for the head hand it over before this execution goes on: a
+    // detached execution then seals and stores the record's head in its own task, while (or
+    // after) the connection writes the head and what was queued. (In `cancel_on_disconnect`
+    // mode the body drives this execution before it reads its first frame, so there the
+    // record's head is still stored before the first byte leaves: reading queued frames
+    // without driving would let hyper drop a body it has written in full, and cancel the
+    // execution before its outcome is stored.)
     tokio::task::yield_now().await;
     for frame in &early[queued..] {
         forward(&mut feed, frame).await;

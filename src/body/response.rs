@@ -36,25 +36,12 @@ impl Feed {
     const DEPTH: usize = 4;
 
     pub(crate) fn channel<B>() -> (Feed, ResponseBody<B>) {
-        Self::with_flush(true)
-    }
-
-    /// A feed whose first frames are queued before its body is handed over with the head: the
-    /// body gives those to the connection, and yields once so that they are written, before it
-    /// first drives its execution (time to first byte is the handler's, not the handler's plus
-    /// the storing of the record's head).
-    pub(crate) fn channel_head_first<B>() -> (Feed, ResponseBody<B>) {
-        Self::with_flush(false)
-    }
-
-    fn with_flush<B>(flushed: bool) -> (Feed, ResponseBody<B>) {
         let (tx, rx) = mpsc::channel(Self::DEPTH);
         let body = ResponseBody {
             kind: Kind::Fed {
                 rx,
                 driver: None,
                 driving: None,
-                flushed,
                 ended: false,
             },
         };
@@ -110,9 +97,6 @@ pin_project! {
             driver: Option<Execution>,
             // Set with the driver: how this body drives it without waking its own task.
             driving: Option<Driving>,
-            // False until the body has given the connection what was queued with the head and
-            // yielded once (see `Feed::channel_head_first`); true from the start otherwise.
-            flushed: bool,
             ended: bool,
         },
     }
@@ -195,26 +179,12 @@ where
                 rx,
                 driver,
                 driving,
-                flushed,
                 ended,
             } => {
                 if *ended {
                     return Poll::Ready(None);
                 }
                 let received = match driving {
-                    // First what the execution queued with the head; once that is read, one
-                    // yield before the execution is driven, so that the connection writes the
-                    // head and those frames before the execution stores the record's head.
-                    Some(driving) if !*flushed => {
-                        match driving.poll(cx, None, |cx| rx.poll_recv(cx)) {
-                            (_, Poll::Pending) => {
-                                *flushed = true;
-                                cx.waker().wake_by_ref();
-                                return Poll::Pending;
-                            }
-                            (_, received) => received,
-                        }
-                    }
                     Some(driving) => {
                         let (done, received) =
                             driving.poll(cx, driver.as_mut(), |cx| rx.poll_recv(cx));
@@ -351,56 +321,6 @@ mod tests {
             0,
             "the body's own task was woken while it was being polled"
         );
-    }
-
-    /// A streamed response's first frames are queued before its head is handed over; the
-    /// connection writes what it has once the body returns `Pending`. So the body gives those
-    /// frames first, then yields once (waking its task), and only then drives its execution,
-    /// whose next work (sealing and storing the record's head) must not delay the first byte.
-    #[test]
-    fn a_head_first_body_hands_over_its_queued_frames_before_driving() {
-        let (mut feed, mut body) = Feed::channel_head_first::<Empty<Bytes>>();
-        assert!(
-            feed.try_send(Message::Frame(Frame::data(Bytes::from_static(b"first"))))
-                .is_ok()
-        );
-        let driven = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let polls = driven.clone();
-        let producer = std::future::poll_fn(move |_| {
-            polls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            Poll::<()>::Pending
-        });
-        let _ = body.drive(Execution::cancellable(Box::pin(producer)));
-        let count = std::sync::Arc::new(Count(Default::default()));
-        let waker = std::task::Waker::from(count.clone());
-        let mut cx = Context::from_waker(&waker);
-        let mut body = std::pin::Pin::new(&mut body);
-        let driven_now = || driven.load(std::sync::atomic::Ordering::SeqCst);
-        let woken = || count.0.load(std::sync::atomic::Ordering::SeqCst);
-
-        match body.as_mut().poll_frame(&mut cx) {
-            Poll::Ready(Some(Ok(frame))) => assert_eq!(frame.into_data().unwrap(), "first"),
-            other => panic!("expected the queued frame, got {other:?}"),
-        }
-        assert_eq!(
-            driven_now(),
-            0,
-            "the execution was driven before the queued frame went"
-        );
-        // Nothing more queued: the body yields, so that the connection writes what it has.
-        assert!(body.as_mut().poll_frame(&mut cx).is_pending());
-        assert_eq!(driven_now(), 0, "the execution was driven before the yield");
-        assert_eq!(
-            woken(),
-            1,
-            "the yield must wake the task, or nothing polls it again"
-        );
-        // Then it drives the execution as any fed body does.
-        assert!(body.as_mut().poll_frame(&mut cx).is_pending());
-        assert_eq!(driven_now(), 1);
-        assert!(body.as_mut().poll_frame(&mut cx).is_pending());
-        assert_eq!(driven_now(), 2, "the yield happens once");
-        assert_eq!(woken(), 1, "and wakes the task once");
     }
 
     #[tokio::test]
