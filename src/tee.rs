@@ -88,7 +88,8 @@ pub(crate) async fn tee<B, E>(
     // Streamed: the head goes out now, the frames as they come.
     let status = parts.status;
     let headers = parts.headers.clone();
-    let (mut feed, live) = Feed::channel();
+    let (mut feed, mut live) = Feed::channel();
+    live.storing(&parts);
     // What was read goes to the client before anything waits on the store; what fits in the
     // feed is queued before the head is handed over, so that the client's first read of the
     // body finds it (the head and the first frames leave in one write, as without the layer).

@@ -41,6 +41,7 @@ suite!(
     a_dropped_request_still_completes,
     a_client_that_hangs_up_mid_handler_gets_the_replay,
     cancel_safe_handlers_can_opt_out,
+    a_response_written_in_full_is_stored_when_cancellable,
     streamed_bodies_are_forwarded_and_stored,
     a_lost_lease_stores_nothing,
     keys_are_scoped_to_the_principal,
@@ -535,6 +536,28 @@ async fn cancel_safe_handlers_can_opt_out(s: TestStore) {
         runs + 2,
         "cancelled: nothing was stored, it ran again"
     );
+}
+
+async fn a_response_written_in_full_is_stored_when_cancellable(s: TestStore) {
+    // With cancel_on_disconnect the client's reads drive the execution. A head that announces
+    // the body's length lets the server finish writing the response before the handler's body
+    // has ended (here 20 ms before), and hyper then drops the body without reading it to its
+    // end: the client has the whole response, so its outcome must still be stored.
+    let (app, probe) = app(&s.store, |b| {
+        b.cancel_on_disconnect(true)
+            .on_conflict(OnConflict::Wait(Duration::from_secs(20)))
+    });
+    let (addr, _server) = serve(app).await;
+    let client = support::client();
+    let path = "/stream?length=true";
+    let first = support::http(&client, addr, post_key(path, "sized-stream", "")).await;
+    assert_eq!(first.status, StatusCode::OK, "{first:?}");
+    let expected: String = (0..10).map(|i| format!("run 1 part {i};")).collect();
+    assert_eq!(first.body, expected);
+    let again = support::http(&client, addr, post_key(path, "sized-stream", "")).await;
+    assert!(again.replayed(), "the outcome was not stored: {again:?}");
+    assert_eq!(again.body, first.body);
+    assert_eq!(probe.runs(), 1, "the handler ran again");
 }
 
 async fn streamed_bodies_are_forwarded_and_stored(s: TestStore) {

@@ -42,6 +42,8 @@ impl Feed {
                 rx,
                 driver: None,
                 driving: None,
+                storing: false,
+                length: None,
                 ended: false,
             },
         };
@@ -97,6 +99,10 @@ pin_project! {
             driver: Option<Execution>,
             // Set with the driver: how this body drives it without waking its own task.
             driving: Option<Driving>,
+            // Whether its execution stores the outcome of this response (not a replay's reading).
+            storing: bool,
+            // The data bytes still to come, when the head announces the body's length.
+            length: Option<u64>,
             ended: bool,
         },
     }
@@ -129,6 +135,32 @@ impl<B> ResponseBody<B> {
         }
     }
 
+    /// Marks a body whose execution stores the outcome of the response whose head is `parts`.
+    /// A server stops reading a body and drops it right after its trailers, or once it has
+    /// written the length the head announces (`content-length`), or at once when the status
+    /// has no body (204, 304, 1xx): from the frame after which it may do so, the execution is
+    /// never cancelled (the client has the whole response, so its outcome must be stored).
+    pub(crate) fn storing(&mut self, parts: &http::response::Parts) {
+        if let Kind::Fed {
+            storing, length, ..
+        } = &mut self.kind
+        {
+            *storing = true;
+            let bodiless = parts.status.is_informational()
+                || parts.status == http::StatusCode::NO_CONTENT
+                || parts.status == http::StatusCode::NOT_MODIFIED;
+            *length = if bodiless {
+                Some(0)
+            } else {
+                parts
+                    .headers
+                    .get(http::header::CONTENT_LENGTH)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse().ok())
+            };
+        }
+    }
+
     /// Hands an execution that still feeds this body to the body, which drives it while the
     /// client reads; dropping the body drops it (which detaches or cancels it, as it says).
     /// Returns the execution if this body does not take it (it is whole: its execution has
@@ -138,10 +170,16 @@ impl<B> ResponseBody<B> {
             Kind::Fed {
                 driver: slot,
                 driving,
+                storing,
+                length,
                 ended: false,
                 ..
             } => {
-                *slot = Some(driver);
+                let driver = slot.insert(driver);
+                // Nothing of the body is left for the server to read: it may drop it unread.
+                if *storing && *length == Some(0) {
+                    driver.detach();
+                }
                 *driving = Some(Driving::new());
                 None
             }
@@ -179,6 +217,8 @@ where
                 rx,
                 driver,
                 driving,
+                storing,
+                length,
                 ended,
             } => {
                 if *ended {
@@ -197,7 +237,21 @@ where
                 };
                 match received {
                     Poll::Pending => Poll::Pending,
-                    Poll::Ready(Some(Message::Frame(frame))) => Poll::Ready(Some(Ok(frame))),
+                    Poll::Ready(Some(Message::Frame(frame))) => {
+                        if let (Some(left), Some(data)) = (length.as_mut(), frame.data_ref()) {
+                            *left = left.saturating_sub(data.len() as u64);
+                        }
+                        // Possibly the last frame the server reads: what the execution has left
+                        // (storing the outcome of a response the client has in full) must not
+                        // be cancelled when the server drops this body.
+                        if *storing
+                            && (frame.is_trailers() || *length == Some(0))
+                            && let Some(driver) = driver.as_mut()
+                        {
+                            driver.detach();
+                        }
+                        Poll::Ready(Some(Ok(frame)))
+                    }
                     Poll::Ready(Some(Message::End)) => {
                         *ended = true;
                         Poll::Ready(None)
@@ -321,6 +375,37 @@ mod tests {
             0,
             "the body's own task was woken while it was being polled"
         );
+    }
+
+    /// A server drops a body it has nothing to read from (a 204's) without polling it: the
+    /// execution that stores the response's outcome must go on, even a cancellable one.
+    #[tokio::test]
+    async fn a_bodiless_response_never_cancels_its_storing() {
+        for (status, finishes) in [
+            (http::StatusCode::NO_CONTENT, true),
+            (http::StatusCode::NOT_MODIFIED, true),
+            // A body still to be read: dropped unread, it was abandoned (cancel_on_disconnect).
+            (http::StatusCode::OK, false),
+        ] {
+            let (_feed, mut body) = Feed::channel::<Empty<Bytes>>();
+            let (parts, ()) = http::Response::builder()
+                .status(status)
+                .body(())
+                .unwrap()
+                .into_parts();
+            body.storing(&parts);
+            let (stored, was_stored) = tokio::sync::oneshot::channel::<()>();
+            let storing = async move {
+                tokio::task::yield_now().await;
+                let _ = stored.send(());
+            };
+            let _ = body.drive(Execution::cancellable(Box::pin(storing)));
+            drop(body);
+            let outcome = tokio::time::timeout(std::time::Duration::from_secs(10), was_stored)
+                .await
+                .expect("the execution neither ran nor was dropped within 10 s");
+            assert_eq!(outcome.is_ok(), finishes, "{status}");
+        }
     }
 
     #[tokio::test]

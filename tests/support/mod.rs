@@ -267,9 +267,12 @@ async fn decide(
 }
 
 /// Streams `run N part i;` ten times, 20 ms apart, then (on `?fail=true`) breaks off with an
-/// error or (on `?panic=true`) panics.
+/// error or (on `?panic=true`) panics; 20 ms after the last part it ends. On `?length=true` the
+/// head announces the body's length (`content-length`), so the server has written the whole
+/// response 20 ms before the body ends.
 async fn stream(State(p): State<Probe>, Query(q): Query<StreamQuery>) -> Response {
     let run = p.enter().await;
+    let length: usize = (0..10).map(|i| format!("run {run} part {i};").len()).sum();
     let chunks = futures_util::stream::iter(0..11).then(move |i| async move {
         tokio::time::sleep(Duration::from_millis(20)).await;
         if i < 10 {
@@ -282,7 +285,13 @@ async fn stream(State(p): State<Probe>, Query(q): Query<StreamQuery>) -> Respons
             Ok(Bytes::new())
         }
     });
-    (StatusCode::OK, Body::from_stream(chunks)).into_response()
+    let mut response = (StatusCode::OK, Body::from_stream(chunks)).into_response();
+    if q.length {
+        response
+            .headers_mut()
+            .insert(http::header::CONTENT_LENGTH, length.into());
+    }
+    response
 }
 
 #[derive(serde::Deserialize)]
@@ -291,6 +300,8 @@ pub struct StreamQuery {
     fail: bool,
     #[serde(default)]
     panic: bool,
+    #[serde(default)]
+    length: bool,
 }
 
 /// The service under test, with the layer configured by `configure`.
