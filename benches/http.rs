@@ -793,7 +793,7 @@ async fn drive(mode: Mode) {
             .ratio(t("redis", Path::Execute))
             .fmt_ratio(),
     ]);
-    let diff = |a: &Series, b: &Series| Series(a.0.iter().zip(&b.0).map(|(x, y)| x - y).collect());
+    let diff = Series::minus;
     let span = |s: &Series| format!("{:.1} / {:.1} / {:.1}", s.min(), s.median(), s.max());
     let two_rtt = Series(rtt.0.iter().map(|r| 2.0 * r).collect());
     let twice = |s: &Series| Series(s.0.iter().map(|r| 2.0 * r).collect());

@@ -214,10 +214,6 @@ fn ratios(mode: common::Mode) {
             busy_none.push(after_pause(&none, idle_n, false, &mut fresh).await);
             busy_execute.push(after_pause(&empty, idle_n, false, &mut fresh).await);
         }
-        // Round by round: `t` minus `base`.
-        let minus = |t: &Series, base: &Series| {
-            Series(t.0.iter().zip(&base.0).map(|(a, b)| a - b).collect())
-        };
         let fmt_us = |s: &Series| format!("{:.2} / {:.2} / {:.2} µs", s.min(), s.median(), s.max());
         println!(
             "\n## The layer in process ({} rounds of {} ms; {})\n",
@@ -248,13 +244,13 @@ fn ratios(mode: common::Mode) {
             common::row(&[
                 name,
                 &fmt_us(t),
-                &fmt_us(&minus(t, &t_none)),
+                &fmt_us(&t.minus(&t_none)),
                 &t_none.ratio(t).fmt_ratio(),
             ]);
         }
         println!(
             "\nWhat being detachable costs (execute minus cancel_on_disconnect): {}",
-            fmt_us(&minus(&t_empty, &t_inline))
+            fmt_us(&t_empty.minus(&t_inline))
         );
         println!(
             "\nAfter a pause of {} ms before each request (median of {idle_n} per round): the \
@@ -271,7 +267,7 @@ fn ratios(mode: common::Mode) {
             common::row(&[
                 &format!("execute, {name}"),
                 &fmt_us(layer),
-                &fmt_us(&minus(layer, base)),
+                &fmt_us(&layer.minus(base)),
             ]);
         }
     });

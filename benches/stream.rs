@@ -267,7 +267,7 @@ fn main() {
         "TTFB Redis store / no layer",
         &t_redis.ratio(&t_none).fmt_ratio(),
     ]);
-    let beyond: Series = Series(t_redis.0.iter().zip(&rtt.0).map(|(t, r)| t - r).collect());
+    let beyond = t_redis.minus(&rtt);
     row(&[
         "Redis round trip, PING p50, client's runtime (µs)",
         &span(&rtt),
@@ -277,14 +277,7 @@ fn main() {
         &beyond.ratio(&t_none).fmt_ratio(),
     ]);
     // The layer's begin is a round trip the server makes, from its own runtime.
-    let beyond: Series = Series(
-        t_redis
-            .0
-            .iter()
-            .zip(&rtt_servers.0)
-            .map(|(t, r)| t - r)
-            .collect(),
-    );
+    let beyond = t_redis.minus(&rtt_servers);
     row(&[
         "Redis round trip, PING p50, servers' runtime (µs)",
         &span(&rtt_servers),

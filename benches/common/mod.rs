@@ -84,6 +84,11 @@ impl Series {
         }
     }
 
+    /// Element-wise difference of two series measured in the same rounds.
+    pub fn minus(&self, other: &Series) -> Series {
+        Series(self.0.iter().zip(&other.0).map(|(a, b)| a - b).collect())
+    }
+
     /// Element-wise ratio of two series measured in the same rounds.
     pub fn ratio(&self, other: &Series) -> Series {
         Series(self.0.iter().zip(&other.0).map(|(a, b)| a / b).collect())
