@@ -105,12 +105,15 @@ pub(crate) async fn tee<B, E>(
     let _ = reply.send(Finished::Response(Response::from_parts(parts, live)));
     // Let the task that polled for the head hand it over before this execution goes on: a
     // detached execution then seals and stores the record's head in its own task, while (or
-    // after) the connection writes the head and what was queued. (In `cancel_on_disconnect`
-    // mode the body drives this execution before it reads its first frame, so there the
-    // record's head is still stored before the first byte leaves: reading queued frames
-    // without driving would let hyper drop a body it has written in full, and cancel the
-    // execution before its outcome is stored.)
-    tokio::task::yield_now().await;
+    // after) the connection writes the head and what was queued. Not in
+    // `cancel_on_disconnect` mode, where the yield would only cost a wake: the body drives this
+    // execution before it reads its first frame, so the record's head is stored before the
+    // first byte leaves either way (reading queued frames without driving would let hyper
+    // drop a body it has written in full, and cancel the execution before its outcome is
+    // stored).
+    if !run.config.cancel_on_disconnect {
+        tokio::task::yield_now().await;
+    }
     for frame in &early[queued..] {
         forward(&mut feed, frame).await;
     }
