@@ -126,12 +126,12 @@
 //! prefix):
 //!
 //! ```text
-//! ACL SETUSER idempotency on >PASSWORD resetkeys ~idem:* resetchannels &idem:* -@all +evalsha +script|load +get +set +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex +llen +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots
+//! ACL SETUSER idempotency on >PASSWORD resetkeys ~idem:* resetchannels &idem:* -@all +fcall +function|load +evalsha +script|load +get +set +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex +llen +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots
 //! ```
 //!
-//! A store that refuses what the layer needs (an ACL user without `EVALSHA`, a managed service
-//! that disabled scripting) is reported by `store.client().prepare()` at startup, naming the
-//! command.
+//! A store that refuses what the layer needs (an ACL user without either `FCALL` or
+//! `EVALSHA`, a managed service that disabled scripting) is reported by
+//! `store.client().prepare()` at startup, naming the command.
 
 mod begin;
 mod body;

@@ -1,9 +1,9 @@
 //! The least-privilege ACL rules for a Redis user of the lock (see [the crate docs](crate#acl)).
 
 /// The commands the lock sends, directly or from its scripts, in `ACL SETUSER` form.
-const COMMANDS: &str = "-@all +evalsha +script|load +get +set +del +pexpire +pttl +type +hget \
-     +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex +llen +lrange +publish +subscribe \
-     +unsubscribe +wait +role +cluster|slots";
+const COMMANDS: &str = "-@all +fcall +function|load +evalsha +script|load +get +set +del \
+     +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex +llen \
+     +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots";
 
 /// The rules of an `ACL SETUSER` line (what follows the user name and its password) that let a
 /// Redis user do everything locks under `prefix` need, and nothing else: the commands the lock
@@ -14,12 +14,13 @@ const COMMANDS: &str = "-@all +evalsha +script|load +get +set +del +pexpire +ptt
 /// ```
 /// assert_eq!(
 ///     distlock::acl_rules("myapp"),
-///     "resetkeys ~myapp:* resetchannels &myapp:* -@all +evalsha +script|load +get +set +del \
-///      +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex \
-///      +llen +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots"
+///     "resetkeys ~myapp:* resetchannels &myapp:* -@all +fcall +function|load +evalsha \
+///      +script|load +get +set +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists \
+///      +hincrby +hlen +rpush +lindex +llen +lrange +publish +subscribe +unsubscribe +wait +role \
+///      +cluster|slots"
 /// );
 /// // So a user is created with:
-/// // ACL SETUSER locks on >PASSWORD resetkeys ~myapp:* resetchannels &myapp:* -@all +evalsha ...
+/// // ACL SETUSER locks on >PASSWORD resetkeys ~myapp:* resetchannels &myapp:* -@all +fcall ...
 /// assert!(distlock::acl_rules("a*b").contains("~a\\*b:*"));
 /// ```
 pub fn acl_rules(prefix: &str) -> String {

@@ -210,9 +210,9 @@ impl LockClient {
     /// acquisition does not pay for it and a misconfigured store shows up at startup. Optional:
     /// everything also happens on first use.
     ///
-    /// The check runs the release script on a lock nobody holds (`EVALSHA` on this client's
-    /// keys, which reads one key and writes nothing), so it also proves that the Redis user may
-    /// run scripts on keys under the prefix.
+    /// The check runs the release script on a lock nobody holds (`FCALL`, or `EVALSHA` where
+    /// functions are not available, on this client's keys: it reads one key and writes
+    /// nothing), so it also proves that the Redis user may run scripts on keys under the prefix.
     ///
     /// # Errors
     /// * [`LockError::Config`](crate::LockError::Config) when the store refuses what the lock
@@ -244,8 +244,8 @@ impl LockClient {
         result.map_err(|e| crate::refusal::explain(e, &self.store()))
     }
 
-    /// Releases a lock nobody holds, with a fresh token: the release script's `EVALSHA` on this
-    /// client's keys (a `GET`, nothing written).
+    /// Releases a lock nobody holds, with a fresh token: the release script on this client's
+    /// keys (a `GET`, nothing written).
     async fn probe(&self) -> Result<(), crate::LockError> {
         let op = crate::backend::Op {
             name: self.name(PROBE_NAME)?,

@@ -162,11 +162,13 @@
 //! rules for any prefix:
 //!
 //! ```text
-//! ACL SETUSER locks on >PASSWORD resetkeys ~myapp:* resetchannels &myapp:* -@all +evalsha +script|load +get +set +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex +llen +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots
+//! ACL SETUSER locks on >PASSWORD resetkeys ~myapp:* resetchannels &myapp:* -@all +fcall +function|load +evalsha +script|load +get +set +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex +llen +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots
 //! ```
 //!
-//! * **Commands**: `EVALSHA` for every operation, `SCRIPT LOAD` when the server lacks a script
-//!   (first use, a restart, a failover), and what the scripts call, since Redis checks ACLs
+//! * **Commands**: `FCALL` for every operation, `FUNCTION LOAD` when the server lacks the
+//!   library of the lock's scripts (first use, a restart without persistence, `FUNCTION
+//!   FLUSH`); `EVALSHA` and `SCRIPT LOAD` where functions are not available (Redis 6, `FCALL`
+//!   renamed away, a user without `+fcall`), and what the scripts call, since Redis checks ACLs
 //!   inside scripts too: `GET SET DEL PEXPIRE PTTL TYPE HGET HSET HDEL HEXISTS HINCRBY HLEN
 //!   PUBLISH`. `SUBSCRIBE`/`UNSUBSCRIBE` carry the release notifications. Only some setups
 //!   need the rest: `WAIT` the [replica check](LockClientBuilder::replicas), `ROLE` Sentinel
@@ -183,8 +185,10 @@
 //!   ACL log quiet.
 //!
 //! Managed services often forbid `CONFIG`, `DEBUG` and `SCRIPT FLUSH` (the lock uses none of
-//! them), and some refuse or rename `EVAL`/`EVALSHA`/`SCRIPT`. The lock cannot work without
-//! scripts: [`LockClient::prepare`] loads them and runs one on the client's keys, and a refusal
+//! them), and some refuse or rename `EVAL`/`EVALSHA`/`SCRIPT` or `FCALL`/`FUNCTION`. The lock
+//! needs one of the two: functions when it may, else scripts (a refused or missing `FCALL` or
+//! `FUNCTION LOAD` turns a client to scripts for good, at the cost of one refused command).
+//! [`LockClient::prepare`] loads them and runs one on the client's keys, and a refusal of both
 //! is a [`LockError::Config`] naming what was refused (`the Redis user may not run EVALSHA`,
 //! `the server does not offer SCRIPT LOAD`, `may not access the lock's keys`), instead of an
 //! error at the first acquisition. A command the scripts call that the user may not run shows

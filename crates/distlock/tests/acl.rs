@@ -171,7 +171,11 @@ async fn without_channel_rights_waiters_poll_after_one_warning() {
 async fn a_refused_command_is_named_when_the_client_is_prepared() {
     let server = RedisServer::start_owned().await;
     let all = distlock::acl_rules("app");
-    for (refused, name) in [("-evalsha", "EVALSHA"), ("-script|load", "SCRIPT LOAD")] {
+    // Refused functions alone are no refusal: the lock sends scripts (tests/functions.rs).
+    for (refused, name) in [
+        ("-fcall -evalsha", "EVALSHA"),
+        ("-function|load -script|load", "SCRIPT LOAD"),
+    ] {
         let user = format!("no{}", name.replace(' ', "").to_lowercase());
         let url = server.acl_user(&user, &format!("{all} {refused}")).await;
         let c = client(&url, "app", LockConfig::default());
@@ -188,9 +192,12 @@ async fn a_refused_command_is_named_when_the_client_is_prepared() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_without_the_script_commands_is_named_when_the_client_is_prepared() {
-    // As managed services that disable scripting do: the command is gone (renamed away).
+    // As managed services that disable scripting do: the commands are gone (renamed away).
     let server = RedisServer::start_with(
         ServerOptions::default()
+            .arg("--rename-command")
+            .arg("FCALL")
+            .arg("")
             .arg("--rename-command")
             .arg("EVALSHA")
             .arg(""),

@@ -899,8 +899,9 @@ async fn another_clients_waiter_gets_its_turn_between_two_local_tasks() {
     waiting.await.unwrap();
 }
 
-/// A release found its script gone (`SCRIPT FLUSH`, a restarted or failed-over server): it is
-/// answered `NOSCRIPT`, loads the script and is sent again. The next local waiter, woken as soon
+/// A release found its script gone (`FUNCTION FLUSH` and `SCRIPT FLUSH`, a restarted or
+/// failed-over server): it is answered that the function is not found (or `NOSCRIPT`), loads
+/// the library (or the script) and is sent again. The next local waiter, woken as soon
 /// as the release was first sent, tried in between (its unfenced `SET NX` needs no script),
 /// found the lock still held, and the release's announcement, already counted as heard, woke
 /// no one. Without polling, and with the old holder's lease 30 s away, the waiter must still
@@ -931,11 +932,13 @@ async fn a_waiter_whose_hand_over_came_too_early_looks_again() {
         );
         // Its look after subscribing done: it sleeps until woken (or the lease's end).
         tokio::time::sleep(ms(200)).await;
-        let _: () = redis::cmd("SCRIPT")
-            .arg("FLUSH")
-            .query_async(&mut admin)
-            .await
-            .unwrap();
+        for flushed in ["FUNCTION", "SCRIPT"] {
+            let _: () = redis::cmd(flushed)
+                .arg("FLUSH")
+                .query_async(&mut admin)
+                .await
+                .unwrap();
+        }
         assert!(held.release().await.unwrap());
         let guard = tokio::time::timeout(Duration::from_secs(5), waiter)
             .await

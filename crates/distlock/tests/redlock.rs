@@ -673,11 +673,11 @@ fn recorded(counters: &[Option<u64>], fence: u64) -> usize {
         .count()
 }
 
-/// The SHA-1 of `fence_sync.lua`, as `EVALSHA` names it.
-fn fence_sync_sha() -> String {
-    redis::Script::new(include_str!("../src/backend/redis/scripts/fence_sync.lua"))
-        .get_hash()
-        .to_owned()
+/// What MONITOR shows of a call of `script`: `FCALL` of the function `distlock_<hash>_<script>`
+/// (the test servers have functions). (`_acquire` also names `_reentrant_acquire`: the tests
+/// watching for it take no reentrant lock.)
+fn call_of(script: &str) -> String {
+    format!("_{script}")
 }
 
 /// Counts, with MONITOR, the commands naming `needle` that a node receives (commands run inside
@@ -765,10 +765,13 @@ async fn an_agreeing_quorum_takes_the_lock_in_one_round() {
     let prefix = testkit::unique_prefix("rl-agree");
     let client = patient(&n, &prefix).await;
     let lock = client.lock("k").unwrap();
-    let sha = fence_sync_sha();
     let mut watches = Vec::new();
     for node in &n {
-        watches.push(watch_for(node, sha.clone()).await);
+        // The acquisitions are watched too: they show the watch sees the calls it counts.
+        watches.push((
+            watch_for(node, call_of("fence_sync")).await,
+            watch_for(node, call_of("acquire")).await,
+        ));
     }
     let mut last = 0;
     for _ in 0..5 {
@@ -779,10 +782,12 @@ async fn an_agreeing_quorum_takes_the_lock_in_one_round() {
         assert_eq!(counters, vec![Some(last); 3], "every node drew the fence");
         assert!(guard.release().await.unwrap());
     }
-    let mut sent = Vec::new();
-    for (watch, node) in watches.into_iter().zip(&n) {
-        sent.push(watch.count(node).await);
+    let (mut sent, mut acquisitions) = (Vec::new(), Vec::new());
+    for ((fence_sync, acquire), node) in watches.into_iter().zip(&n) {
+        sent.push(fence_sync.count(node).await);
+        acquisitions.push(acquire.count(node).await);
     }
+    assert_eq!(acquisitions, vec![5; 3], "the watch sees every acquisition");
     assert_eq!(
         sent,
         vec![0; 3],

@@ -492,19 +492,7 @@ async fn hand_over(server: &RedisServer, proxy: &FaultProxy, client: &LockClient
     let held = lock.try_acquire().await.unwrap();
     let ours = held.token().as_str().to_owned();
     let mut admin = server.connection().await;
-    let evalsha_calls = || async {
-        let info: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .query_async(&mut server.connection().await)
-            .await
-            .unwrap();
-        info.lines()
-            .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-            .and_then(|rest| rest.split(',').next())
-            .and_then(|n| n.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    let before = evalsha_calls().await;
+    let before = server.script_calls().await;
     let waiter = tokio::spawn({
         let lock = lock.clone();
         async move { lock.acquire(Duration::from_secs(30)).await }
@@ -512,7 +500,7 @@ async fn hand_over(server: &RedisServer, proxy: &FaultProxy, client: &LockClient
     // The waiter tried, subscribed, and looked again: two attempts, then it sleeps.
     assert!(
         eventually(Duration::from_secs(10), || async {
-            server.subscribers(&channel).await > 0 && evalsha_calls().await >= before + 2
+            server.subscribers(&channel).await > 0 && server.script_calls().await >= before + 2
         })
         .await,
         "the waiter never settled to wait"

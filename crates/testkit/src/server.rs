@@ -438,6 +438,28 @@ impl RedisServer {
         }
     }
 
+    /// How many times the server has run `command` (`INFO commandstats`, lower-case name, e.g.
+    /// `"fcall"` or `"evalsha"`), 0 if never.
+    pub async fn command_calls(&self, command: &str) -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut self.connection().await)
+            .await
+            .unwrap_or_else(|e| panic!("INFO commandstats: {e}"));
+        let prefix = format!("cmdstat_{command}:calls=");
+        info.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// How many script calls the server has run, either way the lock sends them (`FCALL` of a
+    /// function, `EVALSHA` of a script).
+    pub async fn script_calls(&self) -> u64 {
+        self.command_calls("fcall").await + self.command_calls("evalsha").await
+    }
+
     /// The server's version as it reports it (`INFO server`): `("redis", "7.0.15")` or
     /// `("valkey", "9.1.2")`.
     pub async fn version(&self) -> (String, String) {

@@ -1,22 +1,25 @@
 //! The lock on one Redis (standalone, a Sentinel-managed master, or a Redis Cluster): every
-//! operation is one `EVALSHA` of a script from `scripts/`, generic over any
+//! operation is one call of a script from `scripts/` (`FCALL` of its function, or `EVALSHA` where
+//! the server has no functions for us: see `call.rs`), generic over any
 //! `redis::aio::ConnectionLike` that can be cloned (multiplexed, managed or cluster connections).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use redis::Value;
 use redis::aio::ConnectionLike;
-use redis::{Cmd, Script, Value};
 
 use super::waiters::Waiters;
 use super::{Appended, Attempt, Backend, BoxFuture, Mode, Op, millis};
 use crate::once::{Parts, Record, RecordState};
 use crate::{LockError, LockName};
 
+mod call;
 mod notify;
 mod scripts;
 
+use call::{Call, Calls, Recovery};
 pub(crate) use notify::{Source, spawn_notifiers};
 use scripts::SCRIPTS;
 
@@ -30,6 +33,8 @@ pub(crate) struct RedisBackend<C> {
     describe: String,
     /// Replicas that must acknowledge an acquisition (`WAIT`), and how long to wait for them.
     replicas: Option<(usize, Duration)>,
+    /// Whether this server is sent functions or scripts.
+    calls: Arc<Calls>,
 }
 
 impl<C> std::fmt::Debug for RedisBackend<C> {
@@ -47,6 +52,7 @@ impl<C: Conn> RedisBackend<C> {
             waiters,
             describe,
             replicas: None,
+            calls: Arc::default(),
         }
     }
 
@@ -250,16 +256,6 @@ fn record_keys(name: &LockName) -> [&str; 3] {
     [name.lock_key(), name.state_key(), name.parts_key()]
 }
 
-/// An `EVALSHA` of `script` on `keys`; the caller appends the arguments.
-fn evalsha(script: &Script, keys: &[&str], args: usize) -> Cmd {
-    let mut cmd = Cmd::with_capacity(3 + keys.len() + args, 64 + 48 * (keys.len() + args));
-    cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys.len());
-    for key in keys {
-        cmd.arg(*key);
-    }
-    cmd
-}
-
 /// The reply of the exclusive acquire script: the fence, or `-1 - pttl` when held.
 pub(crate) fn parse_acquired(name: &str, reply: Value) -> Result<Attempt, LockError> {
     match int(&reply) {
@@ -278,15 +274,16 @@ pub(crate) fn parse_acquired(name: &str, reply: Value) -> Result<Attempt, LockEr
 }
 
 impl<C: Conn> RedisBackend<C> {
-    /// Sends `cmd` (an `EVALSHA` of `script`) on this backend's connection (see [`eval_on`]).
-    async fn eval(
-        &self,
-        name: &LockName,
-        ambiguous: bool,
-        script: &Script,
-        cmd: Cmd,
-    ) -> Result<Value, LockError> {
-        eval_on(self.conn.clone(), name, ambiguous, script, cmd).await
+    /// A call of `script` on `keys`; the caller appends the arguments.
+    fn call(&self, script: &'static scripts::LuaScript, keys: &[&str], args: usize) -> Call {
+        self.calls.call(script, keys, args)
+    }
+
+    /// Sends `call` on this backend's connection (see [`call::send`]).
+    async fn eval(&self, name: &LockName, ambiguous: bool, call: Call) -> Result<Value, LockError> {
+        call::send(self.conn.clone(), &self.calls, call)
+            .await
+            .map_err(|e| LockError::from_redis(name.as_str(), ambiguous, e))
     }
 
     /// Sends `cmd` and, with the replica check on, `WAIT` right behind it in one pipeline: on
@@ -298,22 +295,21 @@ impl<C: Conn> RedisBackend<C> {
         &self,
         op: &Op,
         ambiguous: bool,
-        script: &Script,
-        cmd: Cmd,
+        mut call: Call,
     ) -> Result<(Value, Option<Result<usize, LockError>>), LockError> {
         let Some((wanted, timeout)) = self.replicas else {
-            return Ok((self.eval(&op.name, ambiguous, script, cmd).await?, None));
+            return Ok((self.eval(&op.name, ambiguous, call).await?, None));
         };
         let name = op.name.as_str();
-        let mut pipe = redis::pipe();
-        pipe.ignore_errors()
-            .add_command(cmd)
-            .cmd("WAIT")
-            .arg(wanted)
-            .arg(millis(timeout));
         let mut conn = self.conn.clone();
-        let mut loaded = false;
+        let mut recovery = Recovery::default();
         loop {
+            let mut pipe = redis::pipe();
+            pipe.ignore_errors()
+                .add_command(call.cmd.clone())
+                .cmd("WAIT")
+                .arg(wanted)
+                .arg(millis(timeout));
             let replies: Vec<Value> = pipe
                 .query_async(&mut conn)
                 .await
@@ -323,14 +319,11 @@ impl<C: Conn> RedisBackend<C> {
             let reply = match reply {
                 Value::ServerError(error) => {
                     let error = redis::RedisError::from(error);
-                    if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
-                        && !loaded
-                    {
-                        script
-                            .load_async(&mut conn)
-                            .await
-                            .map_err(|e| LockError::from_redis(name, false, e))?;
-                        loaded = true;
+                    let again = recovery
+                        .retry(&mut conn, &self.calls, &mut call, &error)
+                        .await
+                        .map_err(|e| LockError::from_redis(name, false, e))?;
+                    if again {
                         continue;
                     }
                     return Err(LockError::from_redis(name, false, error));
@@ -408,40 +401,23 @@ impl<C: Conn> RedisBackend<C> {
         op: &Op,
         fence: u64,
     ) -> impl Future<Output = Result<bool, LockError>> + Send + 'static {
-        let script = &SCRIPTS.fence_sync;
-        let mut cmd = evalsha(script, &[op.name.lock_key(), op.name.state_key()], 3);
+        let mut call = self.call(
+            &SCRIPTS.fence_sync,
+            &[op.name.lock_key(), op.name.state_key()],
+            3,
+        );
         match &op.mode {
-            Mode::Reentrant { owner } => cmd.arg(owner.as_str()).arg(fence).arg("r"),
-            _ => cmd.arg(op.token.as_str()).arg(fence).arg("x"),
+            Mode::Reentrant { owner } => call.cmd.arg(owner.as_str()).arg(fence).arg("r"),
+            _ => call.cmd.arg(op.token.as_str()).arg(fence).arg("x"),
         };
-        let (conn, name) = (self.conn.clone(), op.name.clone());
+        let (conn, calls, name) = (self.conn.clone(), self.calls.clone(), op.name.clone());
         async move {
-            let reply = eval_on(conn, &name, false, script, cmd).await?;
+            let reply = call::send(conn, &calls, call)
+                .await
+                .map_err(|e| LockError::from_redis(name.as_str(), false, e))?;
             parse_flag(name.as_str(), "fence_sync", reply)
         }
     }
-}
-
-/// Sends `cmd` (an `EVALSHA` of `script`) on `conn`; on `NOSCRIPT` (a restarted or new server, a
-/// failover) loads the script and sends it again.
-async fn eval_on<C: Conn>(
-    mut conn: C,
-    name: &LockName,
-    ambiguous: bool,
-    script: &Script,
-    cmd: Cmd,
-) -> Result<Value, LockError> {
-    let first = cmd.query_async::<Value>(&mut conn).await;
-    let reply = match first {
-        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-            match script.load_async(&mut conn).await {
-                Ok(_) => cmd.query_async::<Value>(&mut conn).await,
-                Err(load) => Err(load),
-            }
-        }
-        other => other,
-    };
-    reply.map_err(|e| LockError::from_redis(name.as_str(), ambiguous, e))
 }
 
 impl<C: Conn> Backend for RedisBackend<C> {
@@ -454,12 +430,12 @@ impl<C: Conn> Backend for RedisBackend<C> {
                     (self.acquire_unfenced(op).await?, None)
                 }
                 Mode::Exclusive => {
-                    let script = &SCRIPTS.acquire;
-                    let mut cmd = evalsha(script, &keys, 3);
-                    cmd.arg(op.token.as_str())
+                    let mut call = self.call(&SCRIPTS.acquire, &keys, 3);
+                    call.cmd
+                        .arg(op.token.as_str())
                         .arg(millis(op.lease))
                         .arg(op.state_ttl_ms());
-                    let (reply, acknowledged) = self.eval_replicated(op, true, script, cmd).await?;
+                    let (reply, acknowledged) = self.eval_replicated(op, true, call).await?;
                     let attempt = match parse_acquired(name, reply)? {
                         // The unfenced kind hands out no fence, even through the script.
                         Attempt::Acquired { .. } if !op.fencing => Attempt::Acquired { fence: 0 },
@@ -468,24 +444,24 @@ impl<C: Conn> Backend for RedisBackend<C> {
                     (attempt, acknowledged)
                 }
                 Mode::Once { tag, .. } => {
-                    let script = &SCRIPTS.begin;
-                    let mut cmd = evalsha(script, &record_keys(&op.name), 5);
-                    cmd.arg(op.token.as_str())
+                    let mut call = self.call(&SCRIPTS.begin, &record_keys(&op.name), 5);
+                    call.cmd
+                        .arg(op.token.as_str())
                         .arg(millis(op.lease))
                         .arg(op.state_ttl_ms())
                         .arg(tag.as_ref())
                         .arg(counter_start());
-                    let (reply, acknowledged) = self.eval_replicated(op, true, script, cmd).await?;
+                    let (reply, acknowledged) = self.eval_replicated(op, true, call).await?;
                     (parse_attempt(name, reply)?, acknowledged)
                 }
                 Mode::Reentrant { owner } => {
-                    let script = &SCRIPTS.reentrant_acquire;
-                    let mut cmd = evalsha(script, &keys, 4);
-                    cmd.arg(owner.as_str())
+                    let mut call = self.call(&SCRIPTS.reentrant_acquire, &keys, 4);
+                    call.cmd
+                        .arg(owner.as_str())
                         .arg(millis(op.lease))
                         .arg(op.state_ttl_ms())
                         .arg(op.token.as_str());
-                    let (reply, acknowledged) = self.eval_replicated(op, true, script, cmd).await?;
+                    let (reply, acknowledged) = self.eval_replicated(op, true, call).await?;
                     (parse_attempt(name, reply)?, acknowledged)
                 }
             };
@@ -507,18 +483,17 @@ impl<C: Conn> Backend for RedisBackend<C> {
     fn extend<'a>(&'a self, op: &'a Op, lease: Duration) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
             let keys = [op.name.lock_key(), op.name.state_key()];
-            let (script, cmd) = match &op.mode {
+            let call = match &op.mode {
                 Mode::Reentrant { owner } => {
-                    let script = &SCRIPTS.reentrant_extend;
-                    let mut cmd = evalsha(script, &keys, 4);
-                    cmd.arg(owner.as_str())
+                    let mut call = self.call(&SCRIPTS.reentrant_extend, &keys, 4);
+                    call.cmd
+                        .arg(owner.as_str())
                         .arg(millis(lease))
                         .arg(op.state_ttl_ms())
                         .arg(op.token.as_str());
-                    (script, cmd)
+                    call
                 }
                 mode => {
-                    let script = &SCRIPTS.extend;
                     let once = record_keys(&op.name);
                     // A once-lock's parts live as long as its state.
                     let keys = if matches!(mode, Mode::Once { .. }) {
@@ -526,14 +501,15 @@ impl<C: Conn> Backend for RedisBackend<C> {
                     } else {
                         &keys[..]
                     };
-                    let mut cmd = evalsha(script, keys, 3);
-                    cmd.arg(op.token.as_str())
+                    let mut call = self.call(&SCRIPTS.extend, keys, 3);
+                    call.cmd
+                        .arg(op.token.as_str())
                         .arg(millis(lease))
                         .arg(op.state_ttl_ms());
-                    (script, cmd)
+                    call
                 }
             };
-            let (reply, acknowledged) = self.eval_replicated(op, false, script, cmd).await?;
+            let (reply, acknowledged) = self.eval_replicated(op, false, call).await?;
             let renewed = parse_flag(op.name.as_str(), "extend", reply)?;
             if renewed {
                 // A renewal only the master knows of is worth nothing after a failover.
@@ -545,26 +521,26 @@ impl<C: Conn> Backend for RedisBackend<C> {
 
     fn release<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
-            let (script, cmd) = match &op.mode {
+            let call = match &op.mode {
                 Mode::Reentrant { owner } => {
-                    let script = &SCRIPTS.reentrant_release;
-                    let mut cmd = evalsha(script, &[op.name.lock_key()], 2);
-                    cmd.arg(owner.as_str()).arg(op.token.as_str());
-                    (script, cmd)
+                    let mut call = self.call(&SCRIPTS.reentrant_release, &[op.name.lock_key()], 2);
+                    call.cmd.arg(owner.as_str()).arg(op.token.as_str());
+                    call
                 }
                 mode => {
-                    let script = &SCRIPTS.release;
                     // A once-lock released without a record takes its parts with it.
-                    let mut cmd = if matches!(mode, Mode::Once { .. }) {
-                        evalsha(script, &[op.name.lock_key(), op.name.parts_key()], 1)
+                    let keys = [op.name.lock_key(), op.name.parts_key()];
+                    let keys = if matches!(mode, Mode::Once { .. }) {
+                        &keys[..]
                     } else {
-                        evalsha(script, &[op.name.lock_key()], 1)
+                        &keys[..1]
                     };
-                    cmd.arg(op.token.as_str());
-                    (script, cmd)
+                    let mut call = self.call(&SCRIPTS.release, keys, 1);
+                    call.cmd.arg(op.token.as_str());
+                    call
                 }
             };
-            let reply = self.eval(&op.name, false, script, cmd).await?;
+            let reply = self.eval(&op.name, false, call).await?;
             parse_flag(op.name.as_str(), "release", reply)
         })
     }
@@ -576,13 +552,13 @@ impl<C: Conn> Backend for RedisBackend<C> {
         appended: u64,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
-            let script = &SCRIPTS.complete;
-            let mut cmd = evalsha(script, &record_keys(&op.name), 4);
-            cmd.arg(op.token.as_str())
+            let mut call = self.call(&SCRIPTS.complete, &record_keys(&op.name), 4);
+            call.cmd
+                .arg(op.token.as_str())
                 .arg(record)
                 .arg(op.state_ttl_ms())
                 .arg(appended);
-            let (reply, acknowledged) = self.eval_replicated(op, true, script, cmd).await?;
+            let (reply, acknowledged) = self.eval_replicated(op, true, call).await?;
             match parse_stored(op.name.as_str(), "complete", reply)? {
                 Ok(stored) => {
                     if stored {
@@ -605,13 +581,13 @@ impl<C: Conn> Backend for RedisBackend<C> {
         part: &'a [u8],
     ) -> BoxFuture<'a, Result<Appended, LockError>> {
         Box::pin(async move {
-            let script = &SCRIPTS.append;
-            let mut cmd = evalsha(script, &record_keys(&op.name), 4);
-            cmd.arg(op.token.as_str())
+            let mut call = self.call(&SCRIPTS.append, &record_keys(&op.name), 4);
+            call.cmd
+                .arg(op.token.as_str())
                 .arg(index)
                 .arg(part)
                 .arg(op.state_ttl_ms());
-            let (reply, acknowledged) = self.eval_replicated(op, true, script, cmd).await?;
+            let (reply, acknowledged) = self.eval_replicated(op, true, call).await?;
             match parse_stored(op.name.as_str(), "append", reply)? {
                 Ok(true) => {
                     // A part only the master knows of is lost in a failover: retried.
@@ -631,11 +607,10 @@ impl<C: Conn> Backend for RedisBackend<C> {
         max: usize,
     ) -> BoxFuture<'a, Result<Parts, LockError>> {
         Box::pin(async move {
-            let script = &SCRIPTS.parts;
             let (start, last) = list_range(from, max);
-            let mut cmd = evalsha(script, &record_keys(name), 3);
-            cmd.arg(start).arg(last).arg(max);
-            let reply = self.eval(name, false, script, cmd).await?;
+            let mut call = self.call(&SCRIPTS.parts, &record_keys(name), 3);
+            call.cmd.arg(start).arg(last).arg(max);
+            let reply = self.eval(name, false, call).await?;
             parse_parts(name.as_str(), from, reply)
         })
     }
@@ -678,13 +653,10 @@ impl<C: Conn> Backend for RedisBackend<C> {
     fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>> {
         Box::pin(async move {
             let mut conn = self.conn.clone();
-            for script in SCRIPTS.all() {
-                script
-                    .load_async(&mut conn)
-                    .await
-                    .map_err(|e| LockError::from_redis("(scripts)", false, e))?;
-            }
-            Ok(())
+            self.calls
+                .prepare(&mut conn, &SCRIPTS.all())
+                .await
+                .map_err(|e| LockError::from_redis("(scripts)", false, e))
         })
     }
 

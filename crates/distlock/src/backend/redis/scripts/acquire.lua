@@ -10,7 +10,7 @@
 -- Returns the fence (>= 1) when taken. When another owner holds the lock, returns
 -- -1 - pttl: -1 - the remaining lease in ms, or 0 if the lock has no expiry.
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  local fence = redis.call('HINCRBY', KEYS[2], 'n', 1)
+  local fence = redis.call('HINCRBY', KEYS[2], 'n', '1')
   if ARGV[3] ~= '0' then
     redis.call('PEXPIRE', KEYS[2], ARGV[3])
   end

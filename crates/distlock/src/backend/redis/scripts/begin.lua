@@ -22,7 +22,7 @@ if done[1] then
   return {2, done[1]}
 end
 if done[2] then
-  return {2, redis.call('LINDEX', KEYS[3], 0), tonumber(done[2])}
+  return {2, redis.call('LINDEX', KEYS[3], '0'), tonumber(done[2])}
 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   -- The counter expires with the record. Started again from 0 it would hand the next run the
@@ -31,7 +31,7 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   if redis.call('HEXISTS', KEYS[2], 'n') == 0 then
     redis.call('HSET', KEYS[2], 'n', ARGV[5])
   end
-  local fence = redis.call('HINCRBY', KEYS[2], 'n', 1)
+  local fence = redis.call('HINCRBY', KEYS[2], 'n', '1')
   redis.call('HSET', KEYS[2], 'm', ARGV[4])
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
   -- A new writer starts from no parts (a no-op unless a writer died mid-stream).

@@ -11,16 +11,16 @@
 -- Returns {1, fence} when taken, {0, pttl} when held by another owner.
 local kind = redis.call('TYPE', KEYS[1]).ok
 if kind == 'none' then
-  local fence = redis.call('HINCRBY', KEYS[2], 'n', 1)
+  local fence = redis.call('HINCRBY', KEYS[2], 'n', '1')
   if ARGV[3] ~= '0' then
     redis.call('PEXPIRE', KEYS[2], ARGV[3])
   end
-  redis.call('HSET', KEYS[1], 'o', ARGV[1], 'f', fence, 'h:' .. ARGV[4], 1)
+  redis.call('HSET', KEYS[1], 'o', ARGV[1], 'f', fence, 'h:' .. ARGV[4], '1')
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {1, fence}
 end
 if kind == 'hash' and redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
-  redis.call('HSET', KEYS[1], 'h:' .. ARGV[4], 1)
+  redis.call('HSET', KEYS[1], 'h:' .. ARGV[4], '1')
   if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
   end
