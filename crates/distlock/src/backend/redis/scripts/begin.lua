@@ -17,22 +17,20 @@
 -- Returns {2, record} when completed in one part, {2, first part (nil if missing), parts} when
 -- completed streamed, {1, fence} when taken, {0, pttl, tag, holder's fence, parts appended}
 -- when held.
-local done = redis.call('HMGET', KEYS[2], 'd', 'p')
-if done[1] then
-  return {2, done[1]}
+local state = redis.call('HMGET', KEYS[2], 'd', 'p', 'n')
+if state[1] then
+  return {2, state[1]}
 end
-if done[2] then
-  return {2, redis.call('LINDEX', KEYS[3], '0'), tonumber(done[2])}
+if state[2] then
+  return {2, redis.call('LINDEX', KEYS[3], '0'), tonumber(state[2])}
 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   -- The counter expires with the record. Started again from 0 it would hand the next run the
   -- fence of a run already stored, and parts bound to their writer's fence would be
   -- interchangeable between the two: a new counter starts from the caller's clock instead.
-  if redis.call('HEXISTS', KEYS[2], 'n') == 0 then
-    redis.call('HSET', KEYS[2], 'n', ARGV[5])
-  end
-  local fence = redis.call('HINCRBY', KEYS[2], 'n', '1')
-  redis.call('HSET', KEYS[2], 'm', ARGV[4])
+  -- (Below 2^53: exact as a Lua number, written back as an integer.)
+  local fence = (tonumber(state[3]) or tonumber(ARGV[5])) + 1
+  redis.call('HSET', KEYS[2], 'n', string.format('%d', fence), 'm', ARGV[4])
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
   -- A new writer starts from no parts (a no-op unless a writer died mid-stream).
   redis.call('DEL', KEYS[3])
