@@ -3,9 +3,15 @@
 //! ```sh
 //! cargo run -p distlock --example acl -- myapp          # ACL SETUSER locks on >PASSWORD ...
 //! cargo run -p distlock --example acl -- myapp --rules  # the rules alone
+//! cargo run -p distlock --example acl -- --library      # the function library, for an
+//!                                                       # administrator's FUNCTION LOAD
 //! ```
 
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("--library") {
+        print!("{}", distlock::function_library());
+        return;
+    }
     let mut args = std::env::args().skip(1);
     let prefix = args
         .next()

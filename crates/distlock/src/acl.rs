@@ -1,9 +1,13 @@
 //! The least-privilege ACL rules for a Redis user of the lock (see [the crate docs](crate#acl)).
 
 /// The commands the lock sends, directly or from its scripts, in `ACL SETUSER` form.
-const COMMANDS: &str = "-@all +fcall +function|load +evalsha +script|load +get +set +del \
-     +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex +llen \
-     +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots";
+///
+/// `FCALL` but not `FUNCTION LOAD`: a user that may load functions may replace any library on
+/// the server, including one a more privileged client calls. Such a user runs the scripts as
+/// `EVALSHA` unless an administrator loaded the lock's library ([`function_library`]).
+const COMMANDS: &str = "-@all +fcall +evalsha +script|load +get +set +del +pexpire +pttl +type \
+     +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex +llen +lrange +publish \
+     +subscribe +unsubscribe +wait +role +cluster|slots";
 
 /// The rules of an `ACL SETUSER` line (what follows the user name and its password) that let a
 /// Redis user do everything locks under `prefix` need, and nothing else: the commands the lock
@@ -14,10 +18,9 @@ const COMMANDS: &str = "-@all +fcall +function|load +evalsha +script|load +get +
 /// ```
 /// assert_eq!(
 ///     distlock::acl_rules("myapp"),
-///     "resetkeys ~myapp:* resetchannels &myapp:* -@all +fcall +function|load +evalsha \
-///      +script|load +get +set +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists \
-///      +hincrby +hlen +rpush +lindex +llen +lrange +publish +subscribe +unsubscribe +wait +role \
-///      +cluster|slots"
+///     "resetkeys ~myapp:* resetchannels &myapp:* -@all +fcall +evalsha +script|load +get +set \
+///      +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush \
+///      +lindex +llen +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots"
 /// );
 /// // So a user is created with:
 /// // ACL SETUSER locks on >PASSWORD resetkeys ~myapp:* resetchannels &myapp:* -@all +fcall ...
@@ -31,6 +34,22 @@ pub fn acl_rules(prefix: &str) -> String {
         format!("{}:*", escape(prefix))
     };
     format!("resetkeys ~{pattern} resetchannels &{pattern} {COMMANDS}")
+}
+
+/// The Redis function library of the lock's scripts (Redis 7+, Valkey), as `FUNCTION LOAD`
+/// takes it. A client loads it itself when its user may; for a least-privilege user
+/// ([`acl_rules`], which leave `FUNCTION LOAD` out), an administrator loads it once per
+/// version of this crate (its name carries the hash of its text), or the user's clients send
+/// the same scripts with `EVALSHA` (Redis CPU per call is a little higher; the first call on
+/// each connection is refused `FUNCTION LOAD`, which the ACL log shows).
+///
+/// ```
+/// let library = distlock::function_library();
+/// assert!(library.starts_with("#!lua name=distlock_"));
+/// // As an administrator: redis-cli -x FUNCTION LOAD < library.lua
+/// ```
+pub fn function_library() -> &'static str {
+    &crate::backend::redis::LIBRARY.code
 }
 
 /// `text` with the glob characters of ACL patterns escaped.

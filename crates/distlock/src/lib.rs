@@ -162,17 +162,22 @@
 //! rules for any prefix:
 //!
 //! ```text
-//! ACL SETUSER locks on >PASSWORD resetkeys ~myapp:* resetchannels &myapp:* -@all +fcall +function|load +evalsha +script|load +get +set +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex +llen +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots
+//! ACL SETUSER locks on >PASSWORD resetkeys ~myapp:* resetchannels &myapp:* -@all +fcall +evalsha +script|load +get +set +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex +llen +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots
 //! ```
 //!
-//! * **Commands**: `FCALL` for every operation, `FUNCTION LOAD` when the server lacks the
-//!   library of the lock's scripts (first use, a restart without persistence, `FUNCTION
-//!   FLUSH`); `EVALSHA` and `SCRIPT LOAD` where functions are not available (Redis 6, `FCALL`
-//!   renamed away, a user without `+fcall`), and what the scripts call, since Redis checks ACLs
-//!   inside scripts too: `GET SET DEL PEXPIRE PTTL TYPE HGET HSET HDEL HEXISTS HINCRBY HLEN
-//!   PUBLISH`. `SUBSCRIBE`/`UNSUBSCRIBE` carry the release notifications. Only some setups
+//! * **Commands**: `FCALL` for every operation where the server has the lock's function
+//!   library, `EVALSHA` and `SCRIPT LOAD` where it does not (Redis 6, `FCALL` renamed away, a
+//!   user without `+fcall`, or the library missing and not loadable), and what the scripts
+//!   call, since Redis checks ACLs inside scripts too: `GET SET DEL PEXPIRE PTTL TYPE HGET HSET
+//!   HDEL HEXISTS HINCRBY HLEN PUBLISH`. `SUBSCRIBE`/`UNSUBSCRIBE` carry the release notifications. Only some setups
 //!   need the rest: `WAIT` the [replica check](LockClientBuilder::replicas), `ROLE` Sentinel
 //!   (the client checks the master it is given), `CLUSTER SLOTS` Redis Cluster.
+//! * **Not `FUNCTION LOAD`**: it would let the user replace any function library on the
+//!   server, one a more privileged client calls included. A client whose user may loads the
+//!   library itself; for this user, load [`function_library`] once as an administrator
+//!   (`redis-cli -x FUNCTION LOAD < library.lua`; `cargo run -p distlock --example acl --
+//!   --library` prints it), or its clients run the same scripts with `EVALSHA`, after one
+//!   refused `FUNCTION LOAD` per connection in the ACL log.
 //! * **Keys**: `~myapp:*`: a lock's key `myapp:{name}` and its state `myapp:{name}:state`.
 //! * **Channels**: `&myapp:*`: release announcements on `myapp:{name}:rel`. Without them (Redis
 //!   7's default is `acl-pubsub-default resetchannels`) the lock warns once and waiters poll;
@@ -255,7 +260,7 @@ mod tls;
 mod token;
 mod watchdog;
 
-pub use acl::acl_rules;
+pub use acl::{acl_rules, function_library};
 pub use backend::memory::MemoryLimits;
 pub use backoff::Backoff;
 pub use client::{DEFAULT_PREFIX, LockClient, LockClientBuilder};

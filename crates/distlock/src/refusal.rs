@@ -7,8 +7,8 @@ use std::error::Error as _;
 use crate::{ConfigError, LockError};
 
 /// The commands the lock sends, for error messages (the full rule set is in the crate docs).
-pub(crate) const REQUIRED: &str = "FCALL and FUNCTION LOAD (or EVALSHA and SCRIPT LOAD), and in \
-     scripts GET SET DEL PEXPIRE PTTL \
+pub(crate) const REQUIRED: &str = "EVALSHA and SCRIPT LOAD (or FCALL, with the function library \
+     loaded), and in scripts GET SET DEL PEXPIRE PTTL \
      TYPE HGET HSET HDEL HEXISTS HINCRBY HLEN PUBLISH (plus SUBSCRIBE for notifications, WAIT for \
      the replica check, ROLE for Sentinel, CLUSTER SLOTS for Cluster)";
 
@@ -32,7 +32,7 @@ pub(crate) fn explain(error: LockError, store: &str) -> LockError {
 
 /// The text between the first pair of single quotes, upper-cased with `|` as a space:
 /// `'script|load'` is `SCRIPT LOAD`.
-pub(crate) fn quoted_command(text: &str) -> Option<String> {
+fn quoted_command(text: &str) -> Option<String> {
     let start = text.find('\'')? + 1;
     let len = text[start..].find('\'')?;
     let name = &text[start..start + len];

@@ -50,20 +50,40 @@ async fn exercise(c: &LockClient) {
     }
 }
 
-/// What `work` made the server run: (`FCALL`s, `EVALSHA`s).
+/// What `work` made the server run: `FCALL`s (run, refused before running) and `EVALSHA`s run.
 async fn calls_during(
     server: &RedisServer,
     work: impl std::future::Future<Output = ()>,
-) -> (u64, u64) {
-    let (f, e) = (
-        server.command_calls("fcall").await,
-        server.command_calls("evalsha").await,
-    );
+) -> (u64, u64, u64) {
+    let count = || async {
+        (
+            server.command_calls("fcall").await,
+            server.command_rejections("fcall").await,
+            server.command_calls("evalsha").await,
+        )
+    };
+    let (f, r, e) = count().await;
     work.await;
-    (
-        server.command_calls("fcall").await - f,
-        server.command_calls("evalsha").await - e,
-    )
+    let (f2, r2, e2) = count().await;
+    (f2 - f, r2 - r, e2 - e)
+}
+
+async fn flush_functions(server: &RedisServer) {
+    let () = redis::cmd("FUNCTION")
+        .arg("FLUSH")
+        .query_async(&mut server.connection().await)
+        .await
+        .unwrap();
+}
+
+/// Loads the lock's library as an administrator would.
+async fn load_library(server: &RedisServer) {
+    let _: String = redis::cmd("FUNCTION")
+        .arg("LOAD")
+        .arg(distlock::function_library())
+        .query_async(&mut server.connection().await)
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -71,29 +91,33 @@ async fn scripts_run_as_functions_and_a_flushed_library_is_loaded_again() {
     let server = RedisServer::start_owned().await;
     // Not prepared: the first call finds no function and loads the library.
     let c = client(&server.url());
-    let (fcalls, evalshas) = calls_during(&server, exercise(&c)).await;
+    let (fcalls, _, evalshas) = calls_during(&server, exercise(&c)).await;
     assert!(fcalls >= 8, "every call a function: {fcalls} FCALLs");
     assert_eq!(evalshas, 0, "no script sent");
 
     // An operator flushes the functions (or the server restarted without persistence).
-    let mut admin = server.connection().await;
-    let () = redis::cmd("FUNCTION")
-        .arg("FLUSH")
-        .query_async(&mut admin)
-        .await
-        .unwrap();
-    let (fcalls, evalshas) = calls_during(&server, exercise(&c)).await;
+    flush_functions(&server).await;
+    let (fcalls, _, evalshas) = calls_during(&server, exercise(&c)).await;
     assert!(fcalls >= 8, "functions again: {fcalls} FCALLs");
     assert_eq!(evalshas, 0, "no fall back to scripts for a missing library");
     let libraries: Vec<redis::Value> = redis::cmd("FUNCTION")
         .arg("LIST")
-        .query_async(&mut admin)
+        .query_async(&mut server.connection().await)
         .await
         .unwrap();
     assert_eq!(libraries.len(), 1, "the library is back, once");
+    // Another client finds it loaded: `FUNCTION LOAD` answers that it exists, which is no error.
+    let other = client(&server.url());
+    within("prepare", other.prepare()).await.unwrap();
+    let (fcalls, _, evalshas) = calls_during(&server, exercise(&other)).await;
+    assert!(
+        fcalls >= 8 && evalshas == 0,
+        "{fcalls} FCALLs, {evalshas} EVALSHAs"
+    );
 }
 
-/// Like Redis 6, or a managed service that renamed `FCALL` away: scripts, and nothing fails.
+/// Like Redis 6, or a managed service that renamed `FCALL` away: scripts, and nothing fails,
+/// prepared or not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_without_fcall_gets_scripts() {
     let server = RedisServer::start_with(
@@ -103,91 +127,120 @@ async fn a_server_without_fcall_gets_scripts() {
             .arg(""),
     )
     .await;
-    let c = client(&server.url());
-    within("prepare", c.prepare()).await.unwrap();
-    let (fcalls, evalshas) = calls_during(&server, exercise(&c)).await;
-    assert_eq!(fcalls, 0);
-    assert!(evalshas >= 8, "every call a script: {evalshas} EVALSHAs");
+    for prepared in [false, true] {
+        let c = client(&server.url());
+        if prepared {
+            within("prepare", c.prepare()).await.unwrap();
+        }
+        let (_, _, evalshas) = calls_during(&server, exercise(&c)).await;
+        assert!(
+            evalshas >= 8,
+            "prepared {prepared}: every call a script: {evalshas} EVALSHAs"
+        );
+    }
 }
 
-/// A user whose rules predate functions (no `FCALL`), or that may call but not load them: the
-/// lock works with scripts, prepared or not.
+/// A user refused `FCALL` runs scripts after one refusal; a user that may call but not load
+/// functions (the documented rules) runs scripts until an administrator loads the library,
+/// then functions: prepared or not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_user_refused_functions_gets_scripts() {
+async fn users_refused_functions_get_scripts() {
     let server = RedisServer::start_owned().await;
     let all = distlock::acl_rules("app");
-    for (user, refused, prepared) in [
-        ("nofcall", "-fcall -function|load", true),
-        ("nofcall2", "-fcall -function|load", false),
-        ("noload", "-function|load", false),
-        ("noload2", "-function|load", true),
-    ] {
-        // A library loaded earlier would let the user call it: none here.
-        let mut admin = server.connection().await;
-        let () = redis::cmd("FUNCTION")
-            .arg("FLUSH")
-            .query_async(&mut admin)
-            .await
-            .unwrap();
-        let url = server.acl_user(user, &format!("{all} {refused}")).await;
+    // `prepare` (when called) and the work, counted together.
+    let run = |url: String, prepared: bool| async move {
         let c = client(&url);
         if prepared {
             within("prepare", c.prepare()).await.unwrap();
         }
-        let (fcalls, evalshas) = calls_during(&server, exercise(&c)).await;
-        assert!(
-            evalshas >= 8,
-            "{user}: every call a script: {evalshas} EVALSHAs"
-        );
-        assert!(fcalls <= 1, "{user}: one refused FCALL at most: {fcalls}");
+        exercise(&c).await;
+    };
+    for prepared in [false, true] {
+        flush_functions(&server).await;
+        let url = server.acl_user("nofcall", &format!("{all} -fcall")).await;
+        let (fcalls, refused, evalshas) = calls_during(&server, run(url, prepared)).await;
+        assert!(evalshas >= 8, "every call a script: {evalshas} EVALSHAs");
+        assert_eq!((fcalls, refused), (0, 1), "one refused FCALL, then scripts");
+
+        // The documented rules: FCALL, not FUNCTION LOAD. The library is not there: scripts.
+        let url = server.acl_user("locks", &all).await;
+        let (fcalls, _, evalshas) = calls_during(&server, run(url.clone(), prepared)).await;
+        assert!(evalshas >= 8, "every call a script: {evalshas} EVALSHAs");
+        assert!(fcalls <= 1, "one FCALL found no function: {fcalls}");
+
+        // An administrator loads the library: a new client of the same user calls it.
+        load_library(&server).await;
+        let (fcalls, refused, evalshas) = calls_during(&server, run(url, prepared)).await;
+        assert!(fcalls >= 8, "every call a function: {fcalls} FCALLs");
+        assert_eq!((refused, evalshas), (0, 0));
     }
 }
 
+async fn config_set(server: &RedisServer, name: &str, value: &str) {
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg(name)
+        .arg(value)
+        .query_async(&mut server.connection().await)
+        .await
+        .unwrap();
+}
+
 /// A full Redis (`maxmemory` reached, no eviction) refuses what takes memory, as with scripts,
-/// and still lets a holder keep its lease and release: the functions that only renew or free
-/// are flagged `allow-oom`.
+/// and still lets a holder keep its lease and release (the functions that only renew or free
+/// are flagged `allow-oom`), answers a replay (`begin` finding the record: a function without
+/// flags is refused whole when full, so that call goes as a script), and does all of it with
+/// the library gone too (`FUNCTION LOAD` is refused when full: those calls go as scripts).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_full_server_still_renews_and_releases() {
+async fn a_full_server_still_renews_releases_and_replays() {
     let server = RedisServer::start_owned().await;
     let config = LockConfig::builder()
         .lease(Duration::from_millis(900))
         .build()
         .unwrap();
-    let c = LockClient::builder()
-        .config(config)
-        .prefix("app")
-        .unwrap()
-        .connect(&server.url())
-        .unwrap();
-    within("prepare", c.prepare()).await.unwrap();
-    let held = within("acquire", c.lock("held").unwrap().try_acquire())
-        .await
-        .unwrap();
-    let mut admin = server.connection().await;
-    for (name, value) in [("maxmemory-policy", "noeviction"), ("maxmemory", "1")] {
-        let () = redis::cmd("CONFIG")
-            .arg("SET")
-            .arg(name)
-            .arg(value)
-            .query_async(&mut admin)
+    for library in [true, false] {
+        let c = LockClient::builder()
+            .config(config.clone())
+            .prefix("app")
+            .unwrap()
+            .connect(&server.url())
+            .unwrap();
+        within("prepare", c.prepare()).await.unwrap();
+        let held = within("acquire", c.lock("held").unwrap().try_acquire())
             .await
             .unwrap();
+        let once = c.once(&testkit::unique_prefix("order")).unwrap();
+        match within("begin", once.begin("tag")).await.unwrap() {
+            distlock::Begin::Acquired(guard) => {
+                within("complete", guard.complete(b"done")).await.unwrap()
+            }
+            other => panic!("a new record begins: {other:?}"),
+        }
+        if !library {
+            flush_functions(&server).await;
+        }
+        config_set(&server, "maxmemory-policy", "noeviction").await;
+        config_set(&server, "maxmemory", "1").await;
+        let refused = within("acquire when full", c.lock("new").unwrap().try_acquire()).await;
+        let oom = matches!(&refused, Err(LockError::Redis { source, .. }) if source.to_string().contains("OOM"));
+        assert!(
+            oom,
+            "library {library}: a new lock takes memory, refused: {refused:?}"
+        );
+        match within("replay when full", once.begin("tag")).await {
+            Ok(distlock::Begin::Done(record)) => assert_eq!(&record.first()[..], b"done"),
+            other => panic!("library {library}: the stored record is replayed: {other:?}"),
+        }
+        // Three leases' worth of renewals, each refused if renewing were refused when full.
+        tokio::time::sleep(Duration::from_millis(2_700)).await;
+        assert!(
+            held.is_held(),
+            "library {library}: the lease was renewed while Redis was full"
+        );
+        assert!(
+            within("release when full", held.release()).await.unwrap(),
+            "library {library}: released while Redis was full"
+        );
+        config_set(&server, "maxmemory", "0").await;
     }
-    let refused = within("acquire when full", c.lock("new").unwrap().try_acquire()).await;
-    let oom = matches!(&refused, Err(LockError::Redis { source, .. }) if source.to_string().contains("OOM"));
-    assert!(oom, "a new lock takes memory, refused: {refused:?}");
-    // Three leases' worth of renewals, each refused if renewing were refused when full.
-    tokio::time::sleep(Duration::from_millis(2_700)).await;
-    assert!(held.is_held(), "the lease was renewed while Redis was full");
-    assert!(
-        within("release when full", held.release()).await.unwrap(),
-        "released while Redis was full"
-    );
-    let () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory")
-        .arg("0")
-        .query_async(&mut admin)
-        .await
-        .unwrap();
 }

@@ -441,16 +441,28 @@ impl RedisServer {
     /// How many times the server has run `command` (`INFO commandstats`, lower-case name, e.g.
     /// `"fcall"` or `"evalsha"`), 0 if never.
     pub async fn command_calls(&self, command: &str) -> u64 {
+        self.command_stat(command, "calls").await
+    }
+
+    /// How many times the server refused `command` before running it (an ACL refusal, out of
+    /// memory: `rejected_calls` in `INFO commandstats`), 0 if never.
+    pub async fn command_rejections(&self, command: &str) -> u64 {
+        self.command_stat(command, "rejected_calls").await
+    }
+
+    async fn command_stat(&self, command: &str, field: &str) -> u64 {
         let info: String = redis::cmd("INFO")
             .arg("commandstats")
             .query_async(&mut self.connection().await)
             .await
             .unwrap_or_else(|e| panic!("INFO commandstats: {e}"));
-        let prefix = format!("cmdstat_{command}:calls=");
-        info.lines()
-            .find_map(|l| l.strip_prefix(prefix.as_str()))
-            .and_then(|rest| rest.split(',').next())
-            .and_then(|n| n.parse().ok())
+        let prefix = format!("cmdstat_{command}:");
+        let Some(line) = info.lines().find_map(|l| l.strip_prefix(prefix.as_str())) else {
+            return 0;
+        };
+        line.split(',')
+            .find_map(|kv| kv.strip_prefix(field)?.strip_prefix('='))
+            .and_then(|n| n.trim().parse().ok())
             .unwrap_or(0)
     }
 

@@ -1,6 +1,14 @@
 //! Sending a lock script: as `FCALL` of its function while the server has the library, as
 //! `EVALSHA` once it shows it cannot (see [`scripts`](super::scripts)), loading what is missing
 //! on the way.
+//!
+//! What turns a server to scripts for good: `FCALL` unknown (Redis 6, renamed away) or refused to
+//! the user, or the library missing and `FUNCTION LOAD` refused or rejected. What turns one call
+//! into a script, once: `FCALL` refused before it ran because the server takes no writes now
+//! (out of memory, a failed save, too few replicas), or the library missing and not loadable
+//! now. A function without the `allow-oom` or `no-writes` flag is refused whole in those
+//! states, where the same script sent with `EVALSHA` runs and is stopped only at its first write:
+//! a replay (a `begin` that finds the record) must keep working on a full Redis.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -33,19 +41,18 @@ impl Calls {
         Call::new(script, self.functions(), keys, args)
     }
 
-    /// Loads what this server needs to run the scripts: the library, or (when functions are
-    /// not available) every script.
+    /// Loads the scripts when this server runs scripts. With functions nothing is sent: the
+    /// first call (`LockClient::prepare`'s probe) loads the library if it is missing and the
+    /// user may, and otherwise turns this server to scripts. (Loading it here would be refused
+    /// to users who may call but not load functions, and show in the ACL log, although an
+    /// administrator may have loaded it.)
     pub(crate) async fn prepare<C: Conn>(
         &self,
         conn: &mut C,
         scripts: &[&LuaScript],
     ) -> Result<(), RedisError> {
         if self.functions() {
-            match load_library(conn).await {
-                Ok(()) => return Ok(()),
-                Err(error) if refused_load(&error) => self.fall_back(&error),
-                Err(error) => return Err(error),
-            }
+            return Ok(());
         }
         for script in scripts {
             script.script.load_async(conn).await?;
@@ -123,11 +130,14 @@ impl Recovery {
                 match load_library(conn).await {
                     Ok(()) => return Ok(true),
                     Err(load) if refused_load(&load) => calls.fall_back(&load),
+                    // Not loadable now (a full Redis refuses `FUNCTION LOAD`): this call as a
+                    // script, the next one tries again.
+                    Err(load) if is_server_answer(&load) => {}
                     Err(load) => return Err(load),
                 }
             } else if refused_call(error) {
                 calls.fall_back(error);
-            } else {
+            } else if !refused_before_running(error) {
                 return Ok(false);
             }
             *call = call.as_script();
@@ -158,14 +168,25 @@ pub(crate) async fn send<C: Conn>(
     }
 }
 
+/// Loads the library. Not `REPLACE`: the library's name is the hash of its text, so one
+/// already there is this one (loaded by another client, or by an administrator for users who
+/// may not load functions).
 async fn load_library<C: Conn>(conn: &mut C) -> Result<(), RedisError> {
-    redis::cmd("FUNCTION")
+    match redis::cmd("FUNCTION")
         .arg("LOAD")
-        .arg("REPLACE")
         .arg(&LIBRARY.code)
         .query_async::<Value>(conn)
         .await
-        .map(drop)
+    {
+        Err(error)
+            if error
+                .detail()
+                .is_some_and(|d| d.to_ascii_lowercase().contains("already exists")) =>
+        {
+            Ok(())
+        }
+        other => other.map(drop),
+    }
 }
 
 /// `FCALL` answered that the function is not there (a new, restarted or flushed server).
@@ -176,24 +197,38 @@ fn function_missing(error: &RedisError) -> bool {
             .is_some_and(|d| d.to_ascii_lowercase().contains("function not found"))
 }
 
-/// `FCALL` itself refused: unknown (Redis 6, renamed away) or not allowed to this user.
+/// `FCALL` itself refused: unknown (Redis 6 says ``unknown command `FCALL` ``, Redis 7 and
+/// Valkey `unknown command 'FCALL'`; a command called inside a function that the server does
+/// not know is "Unknown Redis command called from script") or not allowed to this user (and not
+/// a refused key or channel, which scripts would be refused too).
 fn refused_call(error: &RedisError) -> bool {
-    let named = error
-        .detail()
-        .and_then(crate::refusal::quoted_command)
-        .is_some_and(|c| c == "FCALL");
-    let refusal = error.kind() == ErrorKind::Server(ServerErrorKind::NoPerm)
-        || error.to_string().contains("unknown command");
-    refusal && named
+    let text = error.to_string();
+    if text.contains("unknown command") {
+        return true;
+    }
+    error.kind() == ErrorKind::Server(ServerErrorKind::NoPerm)
+        && text.to_ascii_lowercase().contains("fcall")
+}
+
+/// `FCALL` refused before it ran because the server takes no writes at the moment, which a
+/// function without flags is refused for as a whole: out of memory (`OOM`), a failed save
+/// (`MISCONF`), too few replicas (`NOREPLICAS`).
+fn refused_before_running(error: &RedisError) -> bool {
+    matches!(error.code(), Some("OOM" | "MISCONF" | "NOREPLICAS"))
 }
 
 /// `FUNCTION LOAD` refused (unknown, renamed away, not allowed) or the library not accepted:
-/// an answer of the server, which scripts do without. A connection failure is not one.
+/// scripts are what this server can run.
 fn refused_load(error: &RedisError) -> bool {
     matches!(
         error.kind(),
         ErrorKind::Server(ServerErrorKind::NoPerm | ServerErrorKind::ResponseError)
     )
+}
+
+/// An error the server answered (not a connection failure or a timeout).
+fn is_server_answer(error: &RedisError) -> bool {
+    matches!(error.kind(), ErrorKind::Server(_) | ErrorKind::Extension)
 }
 
 #[cfg(test)]
@@ -239,6 +274,19 @@ mod tests {
         assert!(refused_call(&server_error(
             "ERR unknown command 'FCALL', with args beginning with: 'x' '1' "
         )));
+        // Redis 6's wording.
+        assert!(refused_call(&server_error(
+            "ERR unknown command `FCALL`, with args beginning with: `x`, `1`, "
+        )));
+        assert!(refused_call(&server_error(
+            "NOPERM User locks has no permissions to run the 'fcall' command"
+        )));
+        assert!(!refused_call(&server_error(
+            "ERR Unknown Redis command called from script script: ..."
+        )));
+        assert!(!refused_call(&server_error(
+            "NOPERM No permissions to access a channel"
+        )));
         // A refused key is the user's configuration, for scripts as for functions.
         assert!(!refused_call(&server_error(
             "NOPERM No permissions to access a key"
@@ -248,5 +296,14 @@ mod tests {
             "NOPERM this user has no permissions to run the 'function|load' command"
         )));
         assert!(!refused_load(&server_error("LOADING Redis is loading")));
+        let oom = server_error("OOM command not allowed when used memory > 'maxmemory'.");
+        assert!(!refused_load(&oom) && is_server_answer(&oom));
+        assert!(refused_before_running(&oom));
+        assert!(refused_before_running(&server_error(
+            "NOREPLICAS Not enough good replicas to write."
+        )));
+        assert!(!refused_before_running(&server_error(
+            "READONLY You can't write against a read only replica."
+        )));
     }
 }

@@ -21,6 +21,7 @@ mod scripts;
 
 use call::{Call, Calls, Recovery};
 pub(crate) use notify::{Source, spawn_notifiers};
+pub(crate) use scripts::LIBRARY;
 use scripts::SCRIPTS;
 
 /// A connection Redis lock operations can be sent on.

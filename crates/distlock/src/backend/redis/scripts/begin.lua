@@ -30,7 +30,7 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   -- interchangeable between the two: a new counter starts from the caller's clock instead.
   -- (Below 2^53: exact as a Lua number, written back as an integer.)
   local fence = (tonumber(state[3]) or tonumber(ARGV[5])) + 1
-  redis.call('HSET', KEYS[2], 'n', string.format('%d', fence), 'm', ARGV[4])
+  redis.call('HSET', KEYS[2], 'n', string.format('%.0f', fence), 'm', ARGV[4])
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
   -- A new writer starts from no parts (a no-op unless a writer died mid-stream).
   redis.call('DEL', KEYS[3])

@@ -22,12 +22,13 @@ if not mine then
 end
 local fence = tonumber(ARGV[2])
 if (tonumber(redis.call('HGET', KEYS[2], 'n')) or 0) < fence then
-  redis.call('HSET', KEYS[2], 'n', fence)
+  -- ARGV[2], the integer as sent, not the Lua number: written back digit for digit.
+  redis.call('HSET', KEYS[2], 'n', ARGV[2])
 end
 -- A reentrant hold records its fence (re-entries return it). Raised, never lowered: a raise sent
 -- in the background can land after the same owner released and took the lock again with a
 -- larger fence.
 if ARGV[3] == 'r' and (tonumber(redis.call('HGET', KEYS[1], 'f')) or 0) < fence then
-  redis.call('HSET', KEYS[1], 'f', fence)
+  redis.call('HSET', KEYS[1], 'f', ARGV[2])
 end
 return 1
