@@ -58,14 +58,15 @@ pub struct ReplayHeaders {
 }
 
 /// Headers never replayed by default: hop-by-hop headers, `Set-Cookie` (a session must not be
-/// handed to whoever retries), `Date`, and `Content-Length` (recomputed).
-pub const DEFAULT_DENIED: [HeaderName; 12] = [
+/// handed to whoever retries), `Date`, and `Content-Length` (recomputed). (`Trailer` is
+/// replayed: it declares the trailer fields the replay sends too, and an HTTP/1.1 server sends
+/// only the ones declared.)
+pub const DEFAULT_DENIED: [HeaderName; 11] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     header::PROXY_AUTHENTICATE,
     header::PROXY_AUTHORIZATION,
     header::TE,
-    header::TRAILER,
     header::TRANSFER_ENCODING,
     header::UPGRADE,
     header::SET_COOKIE,

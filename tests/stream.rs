@@ -203,8 +203,49 @@ async fn a_body_not_kept_is_never_replayed_as_a_success(s: TestStore) {
     assert_eq!(t.runs(), 1);
 }
 
+/// In `cancel_on_disconnect` mode the client's reads drive the execution. Over a socket, hyper
+/// drops a response body right after writing its trailers, without reading it to its end: the
+/// client has the whole response, so its outcome must still be stored and a retry replayed.
+async fn trailers_written_over_a_socket_are_stored_when_cancellable(s: TestStore) {
+    let t = Tokens::new(true);
+    let (addr, _server) = support::serve(app(&s, &t, |b| b.cancel_on_disconnect(true))).await;
+    let client = support::client();
+    let send = || {
+        let mut req = request("/tokens", "socket-trailers");
+        *req.uri_mut() = format!("http://{addr}/tokens?n=3&trailers=true")
+            .parse()
+            .unwrap();
+        // HTTP/1.1 carries trailers only to a client that says it takes them.
+        req.headers_mut()
+            .insert("te", http::HeaderValue::from_static("trailers"));
+        client.request(req)
+    };
+    let first = within("the response", send()).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let (body, trailers) = read_all(Body::new(first.into_body())).await.unwrap();
+    assert_eq!(body, all_events(1, 3));
+    assert_eq!(trailers.expect("trailers")["x-tokens"], "3");
+    let again = within("the retry", send()).await.unwrap();
+    assert_eq!(
+        again
+            .headers()
+            .get("idempotent-replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..]),
+        "the outcome was not stored: {again:?}"
+    );
+    let replay_head = format!("{:?}", again.headers());
+    let (replayed, replayed_trailers) = read_all(Body::new(again.into_body())).await.unwrap();
+    assert_eq!(replayed, body);
+    let replayed_trailers =
+        replayed_trailers.unwrap_or_else(|| panic!("no trailers replayed: {replay_head}"));
+    assert_eq!(replayed_trailers["x-tokens"], "3");
+    assert_eq!(t.runs(), 1, "the handler ran again");
+}
+
 both_stores!(
     the_first_event_arrives_before_the_handler_finishes,
+    trailers_written_over_a_socket_are_stored_when_cancellable,
     a_joiner_gets_the_same_bytes_live_and_after_the_end,
     a_client_that_leaves_mid_stream_gets_the_whole_stream_on_retry,
     trailers_round_trip,

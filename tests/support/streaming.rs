@@ -106,6 +106,12 @@ async fn tokens(State(t): State<Tokens>, Query(q): Query<TokensQuery>) -> Respon
     if q.not_kept {
         response.extensions_mut().insert(KeepBody::No);
     }
+    if q.trailers {
+        // HTTP/1.1 servers (hyper) send only the trailer fields the head declares.
+        response
+            .headers_mut()
+            .insert("trailer", http::HeaderValue::from_static("x-tokens"));
+    }
     response
 }
 

@@ -177,7 +177,9 @@
 //!   library itself; for this user, load [`function_library`] once as an administrator
 //!   (`redis-cli -x FUNCTION LOAD < library.lua`; `cargo run -p distlock --example acl --
 //!   --library` prints it), or its clients run the same scripts with `EVALSHA`, after one
-//!   refused `FUNCTION LOAD` per connection in the ACL log.
+//!   refused `FUNCTION LOAD` per connection in the ACL log. A version of this crate whose
+//!   scripts changed brings a library of its own (about 16 KB, named `distlock_<hash>`); the
+//!   earlier one stays on the server, as loaded functions do, until `FUNCTION DELETE`.
 //! * **Keys**: `~myapp:*`: a lock's key `myapp:{name}` and its state `myapp:{name}:state`.
 //! * **Channels**: `&myapp:*`: release announcements on `myapp:{name}:rel`. Without them (Redis
 //!   7's default is `acl-pubsub-default resetchannels`) the lock warns once and waiters poll;
