@@ -243,8 +243,48 @@ async fn trailers_written_over_a_socket_are_stored_when_cancellable(s: TestStore
     assert_eq!(t.runs(), 1, "the handler ran again");
 }
 
+/// The same over HTTP/2 (prior knowledge, as gRPC clients speak it): the server sends the
+/// trailers as the stream's last frame and stops reading the body; the outcome is stored.
+async fn trailers_over_http2_are_stored_when_cancellable(s: TestStore) {
+    let t = Tokens::new(true);
+    let (addr, _server) = support::serve(app(&s, &t, |b| b.cancel_on_disconnect(true))).await;
+    let client: support::Client =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build_http();
+    let send = || {
+        let mut req = request("/tokens", "h2-trailers");
+        *req.uri_mut() = format!("http://{addr}/tokens?n=3&trailers=true")
+            .parse()
+            .unwrap();
+        client.request(req)
+    };
+    let first = within("the response", send()).await.unwrap();
+    assert_eq!(first.version(), http::Version::HTTP_2);
+    let (body, trailers) = read_all(Body::new(first.into_body())).await.unwrap();
+    assert_eq!(body, all_events(1, 3));
+    assert_eq!(trailers.expect("trailers")["x-tokens"], "3");
+    let again = within("the retry", send()).await.unwrap();
+    assert_eq!(
+        again
+            .headers()
+            .get("idempotent-replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..]),
+        "the outcome was not stored: {again:?}"
+    );
+    let (replayed, replayed_trailers) = read_all(Body::new(again.into_body())).await.unwrap();
+    assert_eq!(replayed, body);
+    assert_eq!(
+        replayed_trailers.expect("replayed trailers")["x-tokens"],
+        "3"
+    );
+    assert_eq!(t.runs(), 1, "the handler ran again");
+}
+
 both_stores!(
     the_first_event_arrives_before_the_handler_finishes,
+    trailers_over_http2_are_stored_when_cancellable,
     trailers_written_over_a_socket_are_stored_when_cancellable,
     a_joiner_gets_the_same_bytes_live_and_after_the_end,
     a_client_that_leaves_mid_stream_gets_the_whole_stream_on_retry,
