@@ -33,6 +33,8 @@ pub(crate) struct Run {
     pub(crate) negotiated: http::HeaderMap,
     /// The request's span, entered again while the outcome is stored.
     pub(crate) span: tracing::Span,
+    /// A `HEAD` request (if the layer covers it): its response is sent without a body.
+    pub(crate) head: bool,
 }
 
 /// What to do with a request.
@@ -205,6 +207,7 @@ where
                 guard.guard().lease(),
                 decision.clone(),
             ));
+            let head = parts.method == http::Method::HEAD;
             Decision::Run {
                 request: Request::from_parts(parts, RequestBody::buffered(bytes)),
                 run: Some(Box::new(Run {
@@ -215,6 +218,7 @@ where
                     decision,
                     negotiated,
                     span,
+                    head,
                 })),
             }
         }

@@ -11,7 +11,10 @@
 //!   (Redlock), the body is kept in memory up to the record limit and stored whole at the end.
 //! * Over the record limit, or when the handler said [`KeepBody::No`](crate::KeepBody), the
 //!   body is still sent in full, and its outcome (status, headers) stored without it.
-//! * A body that fails half-way: the client sees an aborted body; the outcome is unknown.
+//! * A body that fails half-way: the client sees an aborted body; the outcome is unknown. So
+//!   does a body that ends short of the `content-length` its head announces (a server aborts
+//!   such a response); one longer than announced is cut there, as a server cuts it
+//!   ([`Announced`]).
 
 use std::future::poll_fn;
 use std::pin::{Pin, pin};
@@ -24,7 +27,7 @@ use http_body::{Body, Frame};
 use tokio::sync::oneshot;
 
 use crate::begin::Run;
-use crate::body::{BoxError, Feed, Message, ResponseBody};
+use crate::body::{Announced, BoxError, Feed, Message, ResponseBody};
 use crate::complete;
 use crate::execution::Finished;
 use crate::metrics::Event;
@@ -48,6 +51,9 @@ pub(crate) async fn tee<B, E>(
     B: Body,
     B::Error: Into<BoxError>,
 {
+    // What a server sends of the body: the record is the response the client gets.
+    let body = Announced::new(body, &parts, run.head);
+    let announced = body.left();
     let mut body = pin!(body);
     let mut early: Vec<Frame<Bytes>> = Vec::new();
     let mut early_len = 0;
@@ -89,7 +95,7 @@ pub(crate) async fn tee<B, E>(
     let status = parts.status;
     let headers = parts.headers.clone();
     let (mut feed, mut live) = Feed::channel();
-    live.storing(&parts);
+    live.storing(announced);
     // What was read goes to the client before anything waits on the store; what fits in the
     // feed is queued before the head is handed over, so that the client's first read of the
     // body finds it (the head and the first frames leave in one write, as without the layer).

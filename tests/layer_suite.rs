@@ -42,6 +42,8 @@ suite!(
     a_client_that_hangs_up_mid_handler_gets_the_replay,
     cancel_safe_handlers_can_opt_out,
     a_response_written_in_full_is_stored_when_cancellable,
+    a_body_longer_than_its_head_announces_is_replayed_as_sent,
+    a_body_shorter_than_its_head_announces_is_never_replayed_as_complete,
     streamed_bodies_are_forwarded_and_stored,
     a_lost_lease_stores_nothing,
     keys_are_scoped_to_the_principal,
@@ -558,6 +560,75 @@ async fn a_response_written_in_full_is_stored_when_cancellable(s: TestStore) {
     assert!(again.replayed(), "the outcome was not stored: {again:?}");
     assert_eq!(again.body, first.body);
     assert_eq!(probe.runs(), 1, "the handler ran again");
+}
+
+/// A head announcing fewer bytes than the body has: the server sends what it announced, and the
+/// client has a complete-looking response of that length. A retry gets that response, byte for
+/// byte, not the longer body the handler produced (in either execution mode).
+async fn a_body_longer_than_its_head_announces_is_replayed_as_sent(s: TestStore) {
+    for cancel in [false, true] {
+        // The client has its response while the handler still streams what is never sent: the
+        // retry waits for the execution's end.
+        let (app, probe) = app(&s.store, |b| {
+            b.cancel_on_disconnect(cancel)
+                .on_conflict(OnConflict::Wait(Duration::from_secs(20)))
+        });
+        let (addr, _server) = serve(app).await;
+        let client = support::client();
+        let path = "/stream?length=true&off=-12";
+        let key = format!("long-{cancel}");
+        let first = support::http(&client, addr, post_key(path, &key, "")).await;
+        assert_eq!(first.status, StatusCode::OK, "{first:?}");
+        let whole: String = (0..10).map(|i| format!("run 1 part {i};")).collect();
+        assert_eq!(
+            first.body,
+            whole[..whole.len() - 12],
+            "the announced length"
+        );
+        let again = support::http(&client, addr, post_key(path, &key, "")).await;
+        assert!(again.replayed(), "cancel {cancel}: not stored: {again:?}");
+        assert_eq!(
+            again.body, first.body,
+            "cancel {cancel}: what the client got"
+        );
+        assert_eq!(probe.runs(), 1, "the handler ran again");
+    }
+}
+
+/// A head announcing more bytes than the body has: the server aborts the response, the client
+/// sees an incomplete body. A retry must not get a complete-looking short response: the
+/// outcome is unknown (500, outcome-unknown), and the handler does not run again.
+async fn a_body_shorter_than_its_head_announces_is_never_replayed_as_complete(s: TestStore) {
+    for cancel in [false, true] {
+        let (app, probe) = app(&s.store, |b| b.cancel_on_disconnect(cancel));
+        let (addr, _server) = serve(app).await;
+        let client = support::client();
+        let path = "/stream?length=true&off=7";
+        let key = format!("short-{cancel}");
+        let mut request = post_key(path, &key, "");
+        *request.uri_mut() = format!("http://{addr}{path}").parse().unwrap();
+        let response = within("the head", client.request(request)).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        let read = within("the body", response.into_body().collect()).await;
+        assert!(
+            read.is_err(),
+            "cancel {cancel}: the client sees the body break off"
+        );
+        let again = support::http(&client, addr, post_key(path, &key, "")).await;
+        assert_eq!(
+            again.status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "cancel {cancel}: never the short body as a success: {again:?}"
+        );
+        assert_eq!(
+            again.json()["type"]
+                .as_str()
+                .map(|t| t.ends_with("outcome-unknown")),
+            Some(true),
+            "{again:?}"
+        );
+        assert_eq!(probe.runs(), 1, "the handler ran again");
+    }
 }
 
 async fn streamed_bodies_are_forwarded_and_stored(s: TestStore) {

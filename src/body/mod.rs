@@ -2,9 +2,11 @@
 //! and the response body (the handler's own, a stored one being replayed, or one fed by the
 //! protected execution running in its own task).
 
+mod announced;
 mod request;
 mod response;
 
+pub(crate) use announced::Announced;
 pub use request::RequestBody;
 pub(crate) use request::read_request;
 pub use response::ResponseBody;

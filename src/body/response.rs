@@ -135,29 +135,19 @@ impl<B> ResponseBody<B> {
         }
     }
 
-    /// Marks a body whose execution stores the outcome of the response whose head is `parts`.
-    /// A server stops reading a body and drops it right after its trailers, or once it has
-    /// written the length the head announces (`content-length`), or at once when the status
-    /// has no body (204, 304, 1xx): from the frame after which it may do so, the execution is
-    /// never cancelled (the client has the whole response, so its outcome must be stored).
-    pub(crate) fn storing(&mut self, parts: &http::response::Parts) {
+    /// Marks a body whose execution stores the outcome of a response whose head announces
+    /// `announced` bytes of body (see [`Announced`](super::Announced)). A server stops reading
+    /// a body and drops it right after its trailers, or once it has written the length the head
+    /// announces (`content-length`), or at once when the response has no body (204, 304, 1xx,
+    /// a `HEAD` request's): from the frame after which it may do so, the execution is never
+    /// cancelled (the client has the whole response, so its outcome must be stored).
+    pub(crate) fn storing(&mut self, announced: Option<u64>) {
         if let Kind::Fed {
             storing, length, ..
         } = &mut self.kind
         {
             *storing = true;
-            let bodiless = parts.status.is_informational()
-                || parts.status == http::StatusCode::NO_CONTENT
-                || parts.status == http::StatusCode::NOT_MODIFIED;
-            *length = if bodiless {
-                Some(0)
-            } else {
-                parts
-                    .headers
-                    .get(http::header::CONTENT_LENGTH)
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.parse().ok())
-            };
+            *length = announced;
         }
     }
 
@@ -393,7 +383,7 @@ mod tests {
                 .body(())
                 .unwrap()
                 .into_parts();
-            body.storing(&parts);
+            body.storing(crate::body::announced::announced_length(&parts));
             let (stored, was_stored) = tokio::sync::oneshot::channel::<()>();
             let storing = async move {
                 tokio::task::yield_now().await;

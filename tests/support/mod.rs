@@ -269,7 +269,8 @@ async fn decide(
 /// Streams `run N part i;` ten times, 20 ms apart, then (on `?fail=true`) breaks off with an
 /// error or (on `?panic=true`) panics; 20 ms after the last part it ends. On `?length=true` the
 /// head announces the body's length (`content-length`), so the server has written the whole
-/// response 20 ms before the body ends.
+/// response 20 ms before the body ends; `&off=N` announces N bytes more (or, negative, fewer)
+/// than the body has, as a handler with a bug would.
 async fn stream(State(p): State<Probe>, Query(q): Query<StreamQuery>) -> Response {
     let run = p.enter().await;
     let length: usize = (0..10).map(|i| format!("run {run} part {i};").len()).sum();
@@ -287,9 +288,10 @@ async fn stream(State(p): State<Probe>, Query(q): Query<StreamQuery>) -> Respons
     });
     let mut response = (StatusCode::OK, Body::from_stream(chunks)).into_response();
     if q.length {
+        let announced = length.saturating_add_signed(q.off);
         response
             .headers_mut()
-            .insert(http::header::CONTENT_LENGTH, length.into());
+            .insert(http::header::CONTENT_LENGTH, announced.into());
     }
     response
 }
@@ -302,6 +304,8 @@ pub struct StreamQuery {
     panic: bool,
     #[serde(default)]
     length: bool,
+    #[serde(default)]
+    off: isize,
 }
 
 /// The service under test, with the layer configured by `configure`.

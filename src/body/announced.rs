@@ -1,0 +1,184 @@
+//! A handler's response body held to the length its head announces: what a server sends of it
+//! and no more, and an error where a server would have to abort the response.
+//!
+//! A head that announces `content-length: N` over a body of another length is a handler's
+//! mistake, and the client sees the server's way out of it: a longer body is cut at N bytes (a
+//! response that looks complete), a shorter one ends in an aborted connection (an incomplete
+//! body). The record must be that response, not the handler's body: so that a retry gets what
+//! the first client got, byte for byte, and never a complete-looking replay of a response the
+//! first client saw break off.
+
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use bytes::{Buf, Bytes};
+use http::response::Parts;
+use http_body::{Body, Frame, SizeHint};
+
+use super::BoxError;
+
+/// The body length the head of a response announces: 0 for a status without a body (204,
+/// 304, 1xx), the `content-length` if it has one, else none (chunked or until the connection
+/// ends). (The response to a `HEAD` request has none either: see [`Announced::new`].)
+pub(crate) fn announced_length(parts: &Parts) -> Option<u64> {
+    let bodiless = parts.status.is_informational()
+        || parts.status == http::StatusCode::NO_CONTENT
+        || parts.status == http::StatusCode::NOT_MODIFIED;
+    if bodiless {
+        return Some(0);
+    }
+    parts
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+}
+
+pin_project_lite::pin_project! {
+    /// `inner`, held to `left` more bytes of data when its head announced a length.
+    pub(crate) struct Announced<B> {
+        #[pin]
+        inner: B,
+        left: Option<u64>,
+        ended: bool,
+    }
+}
+
+impl<B> Announced<B> {
+    /// How much data is left to send: what the head announces before any is read.
+    pub(crate) fn left(&self) -> Option<u64> {
+        self.left
+    }
+
+    /// `inner` as it is sent in the response whose head is `parts`, to a `HEAD` request when
+    /// `head` (no body at all, whatever the head announces).
+    pub(crate) fn new(inner: B, parts: &Parts, head: bool) -> Self {
+        Announced {
+            inner,
+            left: if head {
+                Some(0)
+            } else {
+                announced_length(parts)
+            },
+            ended: false,
+        }
+    }
+}
+
+impl<B> Body for Announced<B>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut this = self.project();
+        if *this.ended {
+            return Poll::Ready(None);
+        }
+        loop {
+            let frame = match ready!(this.inner.as_mut().poll_frame(cx)) {
+                None => {
+                    *this.ended = true;
+                    return Poll::Ready(match *this.left {
+                        Some(left) if left > 0 => Some(Err(format!(
+                            "the response body ended {left} bytes short of the content-length \
+                             its head announces"
+                        )
+                        .into())),
+                        _ => None,
+                    });
+                }
+                Some(Err(error)) => return Poll::Ready(Some(Err(error.into()))),
+                // As `Bytes` (no copy when the data is `Bytes` already).
+                Some(Ok(frame)) => frame.map_data(|mut d| d.copy_to_bytes(d.remaining())),
+            };
+            let Some(left) = this.left.as_mut() else {
+                return Poll::Ready(Some(Ok(frame)));
+            };
+            let frame = match frame.into_data() {
+                Ok(mut data) => {
+                    if data.len() as u64 > *left {
+                        // Beyond the announced length: a server does not send it.
+                        data.truncate(*left as usize);
+                    }
+                    *left -= data.len() as u64;
+                    if data.is_empty() {
+                        continue;
+                    }
+                    Frame::data(data)
+                }
+                Err(frame) => frame,
+            };
+            return Poll::Ready(Some(Ok(frame)));
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended || (self.left.is_none() && self.inner.is_end_stream())
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.left {
+            Some(left) => SizeHint::with_exact(left),
+            None => self.inner.size_hint(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{BodyExt, StreamBody};
+
+    fn parts(status: u16, length: Option<u64>) -> Parts {
+        let mut response = http::Response::builder().status(status);
+        if let Some(length) = length {
+            response = response.header(http::header::CONTENT_LENGTH, length);
+        }
+        response.body(()).unwrap().into_parts().0
+    }
+
+    fn body(chunks: &[&'static str]) -> impl Body<Data = Bytes, Error = BoxError> {
+        StreamBody::new(futures_util::stream::iter(
+            chunks
+                .iter()
+                .map(|c| Ok::<_, BoxError>(Frame::data(Bytes::from_static(c.as_bytes()))))
+                .collect::<Vec<_>>(),
+        ))
+    }
+
+    async fn read(b: impl Body<Data = Bytes, Error = BoxError>) -> Result<Bytes, String> {
+        b.collect()
+            .await
+            .map(|c| c.to_bytes())
+            .map_err(|e| e.to_string())
+    }
+
+    #[tokio::test]
+    async fn a_body_is_held_to_the_announced_length() {
+        let exact = Announced::new(body(&["abc", "def"]), &parts(200, Some(6)), false);
+        assert_eq!(read(exact).await.unwrap(), "abcdef");
+        // Longer: cut where a server stops sending, what follows never read as data.
+        let long = Announced::new(body(&["abc", "def", "ghi"]), &parts(200, Some(4)), false);
+        assert_eq!(read(long).await.unwrap(), "abcd");
+        // Shorter: an error where a server aborts the response.
+        let short = Announced::new(body(&["abc"]), &parts(200, Some(5)), false);
+        let error = read(short).await.unwrap_err();
+        assert!(error.contains("2 bytes short"), "{error}");
+        // Not announced: as it comes.
+        let chunked = Announced::new(body(&["abc", "def"]), &parts(200, None), false);
+        assert_eq!(read(chunked).await.unwrap(), "abcdef");
+        // A status without a body sends none.
+        let empty = Announced::new(body(&["abc"]), &parts(204, None), false);
+        assert_eq!(read(empty).await.unwrap(), "");
+        // Nor the response to a HEAD request, whatever its head announces.
+        let head = Announced::new(body(&["abc"]), &parts(200, Some(3)), true);
+        assert_eq!(read(head).await.unwrap(), "");
+    }
+}
