@@ -44,6 +44,7 @@ suite!(
     a_response_written_in_full_is_stored_when_cancellable,
     a_body_longer_than_its_head_announces_is_replayed_as_sent,
     a_body_shorter_than_its_head_announces_is_never_replayed_as_complete,
+    a_body_that_goes_on_after_its_announced_length_is_stored_at_it,
     streamed_bodies_are_forwarded_and_stored,
     a_lost_lease_stores_nothing,
     keys_are_scoped_to_the_principal,
@@ -627,6 +628,32 @@ async fn a_body_shorter_than_its_head_announces_is_never_replayed_as_complete(s:
             Some(true),
             "{again:?}"
         );
+        assert_eq!(probe.runs(), 1, "the handler ran again");
+    }
+}
+
+/// A body that never ends after the length its head announces (a server stops reading it
+/// there): the client has the whole response, and so does the record; the retry gets it.
+async fn a_body_that_goes_on_after_its_announced_length_is_stored_at_it(s: TestStore) {
+    for cancel in [false, true] {
+        let (app, probe) = app(&s.store, |b| {
+            b.cancel_on_disconnect(cancel)
+                .on_conflict(OnConflict::Wait(Duration::from_secs(20)))
+        });
+        let (addr, _server) = serve(app).await;
+        let client = support::client();
+        let path = "/stream?length=true&hang=true";
+        let key = format!("hang-{cancel}");
+        let first = support::http(&client, addr, post_key(path, &key, "")).await;
+        let whole: String = (0..10).map(|i| format!("run 1 part {i};")).collect();
+        assert_eq!(first.body, whole);
+        let again = within(
+            "the retry",
+            support::http(&client, addr, post_key(path, &key, "")),
+        )
+        .await;
+        assert!(again.replayed(), "cancel {cancel}: not stored: {again:?}");
+        assert_eq!(again.body, first.body);
         assert_eq!(probe.runs(), 1, "the handler ran again");
     }
 }

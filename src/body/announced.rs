@@ -27,11 +27,21 @@ pub(crate) fn announced_length(parts: &Parts) -> Option<u64> {
     if bodiless {
         return Some(0);
     }
-    parts
-        .headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse().ok())
+    // As HTTP servers read it: digits only, and several values only if they agree (else no
+    // length at all: nothing is cut, and the server decides what to do with such a head).
+    let mut length = None;
+    for value in parts.headers.get_all(http::header::CONTENT_LENGTH) {
+        let digits = value.as_bytes();
+        if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        let value: u64 = std::str::from_utf8(digits).ok()?.parse().ok()?;
+        if length.is_some_and(|l| l != value) {
+            return None;
+        }
+        length = Some(value);
+    }
+    length
 }
 
 pin_project_lite::pin_project! {
@@ -81,42 +91,47 @@ where
         if *this.ended {
             return Poll::Ready(None);
         }
-        loop {
-            let frame = match ready!(this.inner.as_mut().poll_frame(cx)) {
-                None => {
-                    *this.ended = true;
-                    return Poll::Ready(match *this.left {
-                        Some(left) if left > 0 => Some(Err(format!(
-                            "the response body ended {left} bytes short of the content-length \
-                             its head announces"
-                        )
-                        .into())),
-                        _ => None,
-                    });
-                }
-                Some(Err(error)) => return Poll::Ready(Some(Err(error.into()))),
-                // As `Bytes` (no copy when the data is `Bytes` already).
-                Some(Ok(frame)) => frame.map_data(|mut d| d.copy_to_bytes(d.remaining())),
+        if *this.left == Some(0) {
+            // All the head announced is out: a server stops here and drops the body. Only
+            // trailers ready now still go (HTTP/2 sends them, and nothing follows them); what
+            // else the body has or would have later is not waited for, nor an error it ends in.
+            *this.ended = true;
+            return match this.inner.as_mut().poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) if frame.is_trailers() => Poll::Ready(Some(Ok(
+                    frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))
+                ))),
+                _ => Poll::Ready(None),
             };
-            let Some(left) = this.left.as_mut() else {
-                return Poll::Ready(Some(Ok(frame)));
-            };
-            let frame = match frame.into_data() {
-                Ok(mut data) => {
-                    if data.len() as u64 > *left {
-                        // Beyond the announced length: a server does not send it.
-                        data.truncate(*left as usize);
-                    }
-                    *left -= data.len() as u64;
-                    if data.is_empty() {
-                        continue;
-                    }
-                    Frame::data(data)
-                }
-                Err(frame) => frame,
-            };
-            return Poll::Ready(Some(Ok(frame)));
         }
+        let frame = match ready!(this.inner.as_mut().poll_frame(cx)) {
+            None => {
+                *this.ended = true;
+                return Poll::Ready(this.left.map(|left| {
+                    Err(format!(
+                        "the response body ended {left} bytes short of the content-length its \
+                         head announces"
+                    )
+                    .into())
+                }));
+            }
+            Some(Err(error)) => return Poll::Ready(Some(Err(error.into()))),
+            // As `Bytes` (no copy when the data is `Bytes` already).
+            Some(Ok(frame)) => frame.map_data(|mut d| d.copy_to_bytes(d.remaining())),
+        };
+        let Some(left) = this.left.as_mut() else {
+            return Poll::Ready(Some(Ok(frame)));
+        };
+        Poll::Ready(Some(Ok(match frame.into_data() {
+            Ok(mut data) => {
+                if data.len() as u64 > *left {
+                    // Beyond the announced length: a server does not send it.
+                    data.truncate(*left as usize);
+                }
+                *left -= data.len() as u64;
+                Frame::data(data)
+            }
+            Err(frame) => frame,
+        })))
     }
 
     fn is_end_stream(&self) -> bool {
@@ -177,6 +192,37 @@ mod tests {
         // A status without a body sends none.
         let empty = Announced::new(body(&["abc"]), &parts(204, None), false);
         assert_eq!(read(empty).await.unwrap(), "");
+        // At the announced length the body is not read on: not waited for when it pauses
+        // (or never ends), not drained when it has more ready, and an error after it is not
+        // the response's (the client has it all).
+        use futures_util::StreamExt;
+        let then_nothing = futures_util::stream::iter([Ok::<_, BoxError>(Frame::data(
+            Bytes::from_static(b"abc"),
+        ))])
+        .chain(futures_util::stream::pending());
+        let paused = Announced::new(StreamBody::new(then_nothing), &parts(200, Some(3)), false);
+        let read_paused = tokio::time::timeout(std::time::Duration::from_secs(5), read(paused));
+        assert_eq!(read_paused.await.expect("not waited for").unwrap(), "abc");
+        let endless = StreamBody::new(futures_util::stream::repeat_with(|| {
+            Ok::<_, BoxError>(Frame::data(Bytes::from_static(b"x")))
+        }));
+        let endless = Announced::new(endless, &parts(200, Some(2)), false);
+        assert_eq!(read(endless).await.unwrap(), "xx");
+        let failing = StreamBody::new(futures_util::stream::iter([
+            Ok::<_, BoxError>(Frame::data(Bytes::from_static(b"abc"))),
+            Err("after the end".into()),
+        ]));
+        let failing = Announced::new(failing, &parts(200, Some(3)), false);
+        assert_eq!(read(failing).await.unwrap(), "abc");
+        // A malformed or disputed length cuts nothing.
+        for values in [&["+3"][..], &["3", "4"], &["x"]] {
+            let mut head = parts(200, None);
+            for v in values {
+                head.headers
+                    .append(http::header::CONTENT_LENGTH, v.parse().unwrap());
+            }
+            assert_eq!(announced_length(&head), None, "{values:?}");
+        }
         // Nor the response to a HEAD request, whatever its head announces.
         let head = Announced::new(body(&["abc"]), &parts(200, Some(3)), true);
         assert_eq!(read(head).await.unwrap(), "");

@@ -270,7 +270,8 @@ async fn decide(
 /// error or (on `?panic=true`) panics; 20 ms after the last part it ends. On `?length=true` the
 /// head announces the body's length (`content-length`), so the server has written the whole
 /// response 20 ms before the body ends; `&off=N` announces N bytes more (or, negative, fewer)
-/// than the body has, as a handler with a bug would.
+/// than the body has, as a handler with a bug would; `?hang=true` never ends the body after its
+/// last part.
 async fn stream(State(p): State<Probe>, Query(q): Query<StreamQuery>) -> Response {
     let run = p.enter().await;
     let length: usize = (0..10).map(|i| format!("run {run} part {i};").len()).sum();
@@ -282,6 +283,9 @@ async fn stream(State(p): State<Probe>, Query(q): Query<StreamQuery>) -> Respons
             Err(std::io::Error::other("the body broke off"))
         } else if q.panic {
             panic!("the body panics half-way");
+        } else if q.hang {
+            std::future::pending::<()>().await;
+            Ok(Bytes::new())
         } else {
             Ok(Bytes::new())
         }
@@ -306,6 +310,8 @@ pub struct StreamQuery {
     length: bool,
     #[serde(default)]
     off: isize,
+    #[serde(default)]
+    hang: bool,
 }
 
 /// The service under test, with the layer configured by `configure`.
