@@ -312,8 +312,7 @@ impl Sink {
 /// has nothing ready.
 async fn poll_now<B>(mut body: Pin<&mut B>) -> Option<Option<Result<Frame<Bytes>, BoxError>>>
 where
-    B: Body,
-    B::Error: Into<BoxError>,
+    B: Body<Data = Bytes, Error = BoxError>,
 {
     poll_fn(|cx| match poll_frame(body.as_mut(), cx) {
         Poll::Ready(frame) => Poll::Ready(Some(frame)),
@@ -322,27 +321,17 @@ where
     .await
 }
 
-/// The next frame of the handler's body with `Bytes` data (no copy when the data is `Bytes`),
-/// its error boxed. A body that panics is a body that broke off: the outcome is unknown.
-pub(crate) fn poll_frame<B>(
+/// The next frame of the handler's body (held to its announced length: [`Announced`]). A
+/// body that panics is a body that broke off: the outcome is unknown.
+fn poll_frame<B>(
     body: Pin<&mut B>,
     cx: &mut Context<'_>,
 ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>
 where
-    B: Body,
-    B::Error: Into<BoxError>,
+    B: Body<Data = Bytes, Error = BoxError>,
 {
-    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body.poll_frame(cx)));
-    let Ok(polled) = caught else {
-        return Poll::Ready(Some(Err("the response body panicked".into())));
-    };
-    polled.map(|frame| {
-        frame.map(|frame| {
-            frame
-                .map(|f| f.map_data(|mut d| d.copy_to_bytes(d.remaining())))
-                .map_err(Into::into)
-        })
-    })
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body.poll_frame(cx)))
+        .unwrap_or_else(|_| Poll::Ready(Some(Err("the response body panicked".into()))))
 }
 
 /// Data and trailers of frames read whole.

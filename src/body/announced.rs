@@ -11,7 +11,7 @@
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use bytes::{Buf, Bytes};
+use bytes::Bytes;
 use http::response::Parts;
 use http_body::{Body, Frame, SizeHint};
 
@@ -97,9 +97,9 @@ where
             // else the body has or would have later is not waited for, nor an error it ends in.
             *this.ended = true;
             return match this.inner.as_mut().poll_frame(cx) {
-                Poll::Ready(Some(Ok(frame))) if frame.is_trailers() => Poll::Ready(Some(Ok(
-                    frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))
-                ))),
+                Poll::Ready(Some(Ok(frame))) if frame.is_trailers() => {
+                    Poll::Ready(Some(Ok(super::bytes_frame(frame))))
+                }
                 _ => Poll::Ready(None),
             };
         }
@@ -115,8 +115,7 @@ where
                 }));
             }
             Some(Err(error)) => return Poll::Ready(Some(Err(error.into()))),
-            // As `Bytes` (no copy when the data is `Bytes` already).
-            Some(Ok(frame)) => frame.map_data(|mut d| d.copy_to_bytes(d.remaining())),
+            Some(Ok(frame)) => super::bytes_frame(frame),
         };
         let Some(left) = this.left.as_mut() else {
             return Poll::Ready(Some(Ok(frame)));

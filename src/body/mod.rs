@@ -14,3 +14,10 @@ pub(crate) use response::{Feed, Message};
 
 /// The error type of the layer's bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A frame of any body as a frame of `Bytes` (no copy when its data is `Bytes` already).
+pub(crate) fn bytes_frame<D: bytes::Buf>(
+    frame: http_body::Frame<D>,
+) -> http_body::Frame<bytes::Bytes> {
+    frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))
+}

@@ -4,7 +4,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{Buf, Bytes};
+use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Limited};
 use pin_project_lite::pin_project;
@@ -89,9 +89,7 @@ where
                 Poll::Pending => Poll::Pending,
                 Poll::Ready(None) => Poll::Ready(None),
                 Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
-                Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(
-                    frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))
-                ))),
+                Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(super::bytes_frame(frame)))),
             },
         }
     }

@@ -3,7 +3,7 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::{Buf, Bytes};
+use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
@@ -199,9 +199,7 @@ where
                 Poll::Pending => Poll::Pending,
                 Poll::Ready(None) => Poll::Ready(None),
                 Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
-                Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(
-                    frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))
-                ))),
+                Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(super::bytes_frame(frame)))),
             },
             KindProj::Fed {
                 rx,
