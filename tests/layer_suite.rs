@@ -563,6 +563,30 @@ async fn a_response_written_in_full_is_stored_when_cancellable(s: TestStore) {
     assert_eq!(probe.runs(), 1, "the handler ran again");
 }
 
+/// The stream app served in one execution mode, a retry waiting for the execution's end; and a
+/// client.
+async fn serve_streams(
+    s: &TestStore,
+    cancel: bool,
+) -> (
+    std::net::SocketAddr,
+    tokio::task::JoinHandle<()>,
+    support::Client,
+    support::Probe,
+) {
+    let (app, probe) = app(&s.store, |b| {
+        b.cancel_on_disconnect(cancel)
+            .on_conflict(OnConflict::Wait(Duration::from_secs(20)))
+    });
+    let (addr, server) = serve(app).await;
+    (addr, server, support::client(), probe)
+}
+
+/// The whole body `/stream` sends in its first run.
+fn first_run_parts() -> String {
+    (0..10).map(|i| format!("run 1 part {i};")).collect()
+}
+
 /// A head announcing fewer bytes than the body has: the server sends what it announced, and the
 /// client has a complete-looking response of that length. A retry gets that response, byte for
 /// byte, not the longer body the handler produced (in either execution mode).
@@ -570,17 +594,12 @@ async fn a_body_longer_than_its_head_announces_is_replayed_as_sent(s: TestStore)
     for cancel in [false, true] {
         // The client has its response while the handler still streams what is never sent: the
         // retry waits for the execution's end.
-        let (app, probe) = app(&s.store, |b| {
-            b.cancel_on_disconnect(cancel)
-                .on_conflict(OnConflict::Wait(Duration::from_secs(20)))
-        });
-        let (addr, _server) = serve(app).await;
-        let client = support::client();
+        let (addr, _server, client, probe) = serve_streams(&s, cancel).await;
         let path = "/stream?length=true&off=-12";
         let key = format!("long-{cancel}");
         let first = support::http(&client, addr, post_key(path, &key, "")).await;
         assert_eq!(first.status, StatusCode::OK, "{first:?}");
-        let whole: String = (0..10).map(|i| format!("run 1 part {i};")).collect();
+        let whole = first_run_parts();
         assert_eq!(
             first.body,
             whole[..whole.len() - 12],
@@ -601,9 +620,7 @@ async fn a_body_longer_than_its_head_announces_is_replayed_as_sent(s: TestStore)
 /// outcome is unknown (500, outcome-unknown), and the handler does not run again.
 async fn a_body_shorter_than_its_head_announces_is_never_replayed_as_complete(s: TestStore) {
     for cancel in [false, true] {
-        let (app, probe) = app(&s.store, |b| b.cancel_on_disconnect(cancel));
-        let (addr, _server) = serve(app).await;
-        let client = support::client();
+        let (addr, _server, client, probe) = serve_streams(&s, cancel).await;
         let path = "/stream?length=true&off=7";
         let key = format!("short-{cancel}");
         let mut request = post_key(path, &key, "");
@@ -636,17 +653,11 @@ async fn a_body_shorter_than_its_head_announces_is_never_replayed_as_complete(s:
 /// there): the client has the whole response, and so does the record; the retry gets it.
 async fn a_body_that_goes_on_after_its_announced_length_is_stored_at_it(s: TestStore) {
     for cancel in [false, true] {
-        let (app, probe) = app(&s.store, |b| {
-            b.cancel_on_disconnect(cancel)
-                .on_conflict(OnConflict::Wait(Duration::from_secs(20)))
-        });
-        let (addr, _server) = serve(app).await;
-        let client = support::client();
+        let (addr, _server, client, probe) = serve_streams(&s, cancel).await;
         let path = "/stream?length=true&hang=true";
         let key = format!("hang-{cancel}");
         let first = support::http(&client, addr, post_key(path, &key, "")).await;
-        let whole: String = (0..10).map(|i| format!("run 1 part {i};")).collect();
-        assert_eq!(first.body, whole);
+        assert_eq!(first.body, first_run_parts());
         let again = within(
             "the retry",
             support::http(&client, addr, post_key(path, &key, "")),
