@@ -180,14 +180,35 @@ impl LockGuard {
     /// ```
     pub async fn release(mut self) -> Result<bool, LockError> {
         self.disarm();
+        // Dropped before its answer (the caller's future cancelled), the release is made again
+        // in a task, as a dropped guard's is: its first poll may not have sent it (a client
+        // discards a queued command whose caller went away; a reconnect may be under way).
+        // Made twice, the second finds the lock gone, or someone else's, and touches nothing.
+        let pending = ReleasePending(Some(&self));
         let release = crate::backend::release_and_wake(&*self.backend, &self.op);
-        match crate::backend::timed(self.config.op_timeout(), release).await {
+        let result = match crate::backend::timed(self.config.op_timeout(), release).await {
             Ok(result) => result,
             Err(_) => Err(LockError::timeout(
                 self.op.name.as_str(),
                 false,
                 self.config.op_timeout(),
             )),
+        };
+        pending.answered();
+        result
+    }
+
+    /// Releases in a task (a compare-and-delete with a deadline), never blocking. Without a
+    /// runtime the lease is the backstop.
+    fn release_in_background(&self) {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let task = self.backend.waiters().task();
+            let release =
+                watchdog::release(self.backend.clone(), self.op.clone(), self.config.clone());
+            runtime.spawn(async move {
+                release.await;
+                drop(task);
+            });
         }
     }
 
@@ -213,16 +234,24 @@ impl Drop for LockGuard {
         let Some(hold) = self.hold.take() else { return };
         self.watchdog.unregister(&hold);
         self.lease.shared().set_lost(LossReason::Released);
-        // Never block here: release in a task (a compare-and-delete with a deadline). Without a
-        // runtime the lease is the backstop.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let task = self.backend.waiters().task();
-            let release =
-                watchdog::release(self.backend.clone(), self.op.clone(), self.config.clone());
-            runtime.spawn(async move {
-                release.await;
-                drop(task);
-            });
+        self.release_in_background();
+    }
+}
+
+/// An explicit release not answered yet: dropped before [`answered`](Self::answered), it
+/// releases in the background.
+struct ReleasePending<'a>(Option<&'a LockGuard>);
+
+impl ReleasePending<'_> {
+    fn answered(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for ReleasePending<'_> {
+    fn drop(&mut self) {
+        if let Some(guard) = self.0.take() {
+            guard.release_in_background();
         }
     }
 }

@@ -497,6 +497,51 @@ async fn an_ambiguous_acquisition_is_cleaned_up() {
     assert!(lock.try_acquire().await.unwrap().release().await.unwrap());
 }
 
+/// An explicit release whose future is dropped after its first poll (the caller's request
+/// cancelled, a `select!` that took another branch) still releases: as a dropped guard does, in
+/// a task. On a current-thread runtime the first poll only queues the command, and redis-rs
+/// discards a queued request whose caller went away; so does an abort of a run-once lock.
+#[tokio::test]
+async fn a_release_dropped_after_its_first_poll_still_releases() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("dropped-release");
+    let config = LockConfig::builder()
+        .lease(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let c = client(&server, &prefix, config).await;
+    let lock = c.lock("k").unwrap();
+    let guard = lock.try_acquire().await.unwrap();
+    let mut release = Box::pin(guard.release());
+    assert!(futures_util::poll!(&mut release).is_pending());
+    drop(release);
+    assert!(
+        c.settle(Duration::from_secs(5)).await,
+        "the background release ends"
+    );
+    let again = lock.try_acquire().await;
+    assert!(
+        again.is_ok(),
+        "a cancelled release left the lock held for its 30 s lease: {again:?}"
+    );
+
+    let once = c.once("job").unwrap();
+    let Begin::Acquired(guard) = once.begin("").await.unwrap() else {
+        panic!("free")
+    };
+    let mut abort = Box::pin(guard.abort());
+    assert!(futures_util::poll!(&mut abort).is_pending());
+    drop(abort);
+    assert!(
+        c.settle(Duration::from_secs(5)).await,
+        "the background release ends"
+    );
+    assert!(
+        matches!(once.begin("").await, Ok(Begin::Acquired(_))),
+        "a cancelled abort left the run-once lock held"
+    );
+}
+
 /// A holder that dies without releasing: its lock expires at the end of the lease and a waiter
 /// takes it then.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -172,6 +172,69 @@ async fn a_lost_completion_reply_is_recognised_on_retry() {
     }
 }
 
+/// A completion that ran but whose reply was lost, retried on a new connection with the
+/// replica check on: the retry finds the record already stored and writes nothing, so its
+/// `WAIT` is all that stands between a record on the master alone and a success. Redis (7.0,
+/// and Valkey 9) answers a `WAIT` on a connection that wrote nothing against the master's
+/// current offset, so a frozen replica is not counted: the completion fails its replica check
+/// (with the record not on the replica, a failover could lose it) instead of succeeding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_completion_is_checked_on_the_replicas() {
+    let master = RedisServer::start_owned().await;
+    let replica = RedisServer::start_with(
+        ServerOptions::default()
+            .arg("--replicaof")
+            .arg("127.0.0.1")
+            .arg(master.port().to_string()),
+    )
+    .await;
+    let mut m = master.connection().await;
+    let synced = eventually(Duration::from_secs(10), || {
+        let mut m = m.clone();
+        async move {
+            let info: String = redis::cmd("INFO")
+                .arg("replication")
+                .query_async(&mut m)
+                .await
+                .unwrap();
+            info.contains("state=online")
+        }
+    })
+    .await;
+    assert!(synced, "the replica is in sync");
+    let proxy = FaultProxy::start(&master).await;
+    let prefix = testkit::unique_prefix("wait-complete");
+    let config = LockConfig::builder()
+        .lease(Duration::from_secs(30))
+        .op_timeout(ms(600))
+        .build()
+        .unwrap();
+    let client = LockClient::builder()
+        .config(config)
+        .prefix(&prefix)
+        .unwrap()
+        .replicas(1, ms(200))
+        .unwrap()
+        .connect(&proxy.url())
+        .unwrap();
+    client.prepare().await.unwrap();
+    let once = client.once("evt").unwrap();
+    let Begin::Acquired(guard) = once.begin("tag").await.unwrap() else {
+        panic!("free")
+    };
+    replica.pause().await;
+    // The completion runs; its reply is lost with its connection.
+    proxy.drop_next_replies(1);
+    let outcome = guard.complete(b"record").await;
+    let _: () = redis::cmd("PING").query_async(&mut m).await.unwrap();
+    replica.resume().await;
+    assert_eq!(proxy.dropped(), 1);
+    assert!(
+        matches!(outcome, Err(LockError::NotReplicated { .. })),
+        "the frozen replica never acknowledged the record, yet the completion passed its replica check: {outcome:?}"
+    );
+}
+
 /// A run-once lock taken through a fault proxy (3 s lease, no watchdog: no renewal competes
 /// for the faults), ready to stream.
 async fn streaming_through_a_proxy(
