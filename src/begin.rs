@@ -282,6 +282,12 @@ where
                 },
             )
         }
+        // The store answered, with a record it holds broken: reported, never run again (not
+        // even fail-open, which is for a store that does not answer).
+        Err(LockError::BrokenRecord { detail, .. }) => {
+            tracing::error!(key = %name, %detail, "stored idempotency record is unreadable; not running the handler again");
+            reject(&config, Rejection::RecordUnreadable { reason: detail })
+        }
         Err(error) if config.fail_open => {
             tracing::warn!(key = %name, %error, "idempotency store unavailable: running the handler UNPROTECTED (fail-open)");
             count(Event::FailOpen);

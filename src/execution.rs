@@ -174,12 +174,25 @@ where
         }
     };
     let (mut parts, body) = response.into_parts();
-    let outcome = parts
+    let decided = parts
         .extensions
         .remove::<Outcome>()
         .or_else(|| run.decision.get())
-        .or_else(|| crate::outcome::grpc_outcome(&parts.headers))
-        .unwrap_or_else(|| (run.config.default_outcome)(parts.status));
+        .or_else(|| crate::outcome::grpc_outcome(&parts.headers));
+    let outcome = match decided {
+        Some(outcome) => outcome,
+        // The application's policy, after the handler ran: a panic there is a handler's.
+        None => match std::panic::catch_unwind(AssertUnwindSafe(|| {
+            (run.config.default_outcome)(parts.status)
+        })) {
+            Ok(outcome) => outcome,
+            Err(panic) => {
+                complete::unknown(run, "the default outcome policy panicked").await;
+                let _ = reply.send(Finished::Panic(panic));
+                return;
+            }
+        },
+    };
     if outcome == Outcome::Retryable {
         // Released before the client sees the answer: its retry runs the handler again.
         complete::release(run, Event::NotStored).await;

@@ -207,7 +207,13 @@ impl Sink {
     async fn open(run: &Run, status: StatusCode, headers: &HeaderMap, keep: bool) -> Sink {
         let config = &run.config;
         let mut sink = Sink {
-            mode: Mode::Whole(Vec::new()),
+            // Not kept: nothing of it is, even a body without data (whose outcome would
+            // otherwise be stored as a response with an empty body).
+            mode: if keep {
+                Mode::Whole(Vec::new())
+            } else {
+                Mode::Dropped
+            },
             keep,
             limit: config.record_limit as u64,
             len: 0,

@@ -363,6 +363,34 @@ async fn forged_swapped_and_old_records_are_refused() {
 
 /// The lease is taken away while the handler runs: its completion is refused, so a retry runs
 /// the handler again instead of replaying an outcome stored without a lease.
+/// A streamed record whose parts are gone while its state says it is done (Redis evicted one
+/// of its keys, or they expired a moment apart) is reported, never a reason to run the handler
+/// again: not even with `fail_open`, which is for a store that does not answer (before, the
+/// broken record counted as an unreachable store: 503, and with `fail_open` a second run).
+#[tokio::test]
+async fn a_record_missing_its_parts_is_reported_never_run_again() {
+    let server = RedisServer::start().await;
+    for open in [false, true] {
+        let prefix = testkit::unique_prefix("parts-gone");
+        let store = redis_store(&server.url(), &prefix).await;
+        let (app, probe) = app(&store, |b| b.fail_open(open));
+        let first = send(&app, post_key("/stream", "s", "")).await;
+        assert_eq!(first.status, StatusCode::OK);
+        let mut r = server.connection().await;
+        let parts: Vec<String> = r.keys(format!("{prefix}:*:parts")).await.unwrap();
+        assert_eq!(parts.len(), 1, "a streamed record: {parts:?}");
+        let _: () = r.del(&parts[0]).await.unwrap();
+        let retry = send(&app, post_key("/stream", "s", "")).await;
+        assert_eq!(
+            retry.status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "fail_open {open}: {retry:?}"
+        );
+        assert_eq!(retry.problem(), "record-unreadable");
+        assert_eq!(probe.runs(), 1, "fail_open {open}: never run again");
+    }
+}
+
 #[tokio::test]
 async fn a_lease_taken_away_mid_handler_is_not_completed() {
     let server = RedisServer::start().await;

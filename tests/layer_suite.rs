@@ -355,6 +355,24 @@ async fn a_panicking_handler_leaves_an_unknown_outcome(s: TestStore) {
     assert_eq!(retry.status, StatusCode::OK, "{retry:?}");
     assert!(!retry.replayed());
     assert_eq!(probe.runs(), 2);
+
+    // A panic in the application's own outcome policy, after the handler ran: the same as a
+    // handler's (before, the key was released and the retry ran the handler again).
+    let (app, probe) = support::app(&s.store, |b| {
+        b.default_outcome(|status| {
+            assert_ne!(status, StatusCode::CREATED, "a bug in the outcome policy");
+            Outcome::Final
+        })
+    });
+    let crashed = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post_key("/things", "p3", "{}")).await }
+    });
+    assert!(within("the panic", crashed).await.unwrap_err().is_panic());
+    let retry = send(&app, post_key("/things", "p3", "{}")).await;
+    assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR, "{retry:?}");
+    assert_eq!(retry.problem(), "outcome-unknown");
+    assert_eq!(probe.runs(), 1, "the handler ran; it is never run again");
 }
 
 async fn a_body_that_breaks_off_leaves_an_unknown_outcome(s: TestStore) {

@@ -172,6 +172,29 @@ async fn a_body_not_kept_is_never_replayed_as_a_success(s: TestStore) {
     assert_eq!(retry.status, StatusCode::GONE);
     assert_eq!(retry.problem(), "response-not-stored");
     assert_eq!(retry.json()["original_status"], 200);
+    // The same for a streamed body with no data at all (not ready at once, then only
+    // trailers): not kept either (it was stored as a 200 with an empty body).
+    let first = app
+        .clone()
+        .oneshot(request(
+            "/tokens?not_kept=true&n=0&trailers=true&delay=30",
+            "opt-out-empty",
+        ))
+        .await
+        .unwrap();
+    let (body, trailers) = read_all(first.into_body()).await.unwrap();
+    assert!(body.is_empty());
+    assert_eq!(trailers.unwrap()["x-tokens"], "0");
+    let retry = support::send(
+        &app,
+        request(
+            "/tokens?not_kept=true&n=0&trailers=true&delay=30",
+            "opt-out-empty",
+        ),
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::GONE, "{retry:?}");
+    assert_eq!(retry.problem(), "response-not-stored");
 
     let t = Tokens::new(false);
     let app_limited = app_with_limit(&s, &t, 200);

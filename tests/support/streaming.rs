@@ -58,6 +58,9 @@ pub struct TokensQuery {
     trailers: bool,
     #[serde(default)]
     not_kept: bool,
+    /// Milliseconds before anything (the body is not ready at its first poll).
+    #[serde(default)]
+    delay: u64,
 }
 
 fn ten() -> usize {
@@ -81,6 +84,9 @@ async fn tokens(State(t): State<Tokens>, Query(q): Query<TokensQuery>) -> Respon
         async move {
             if i > q.n {
                 return None;
+            }
+            if i == 0 && q.delay > 0 {
+                tokio::time::sleep(Duration::from_millis(q.delay)).await;
             }
             if i == q.n {
                 finished.fetch_add(1, Ordering::SeqCst);
