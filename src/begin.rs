@@ -179,17 +179,24 @@ where
     let tag = || Bytes::copy_from_slice(&fingerprint);
     let started = Instant::now();
     let mut began = once.begin(tag()).await;
-    let wait = match config.on_conflict {
-        OnConflict::Wait(wait) => wait,
-        // The first request may have answered and be storing its outcome: wait for it briefly.
-        _ => config.completion_grace,
+    // Waiting duplicates follow a streamed record live; the others wait for an outcome only
+    // briefly: the first request may have answered and be storing it (for a streamed body,
+    // its client may have the last byte while the last part and the completion are on their
+    // way: wait through the parts for the end).
+    let (wait, follow) = match config.on_conflict {
+        OnConflict::Wait(wait) => (wait, true),
+        _ => (config.completion_grace, false),
     };
     if let Ok(Begin::InFlight { tag: theirs, .. }) = &began
         && theirs[..] == fingerprint[..]
         && !wait.is_zero()
     {
         // Boxed: waiting is the rare path; it should not grow every request's future.
-        began = Box::pin(once.begin_wait(tag(), wait)).await;
+        began = if follow {
+            Box::pin(once.begin_wait(tag(), wait)).await
+        } else {
+            Box::pin(once.begin_wait_done(tag(), wait)).await
+        };
     }
     store_latency("begin", started.elapsed());
     match began {

@@ -391,6 +391,57 @@ async fn a_record_missing_its_parts_is_reported_never_run_again() {
     }
 }
 
+/// A streamed response with a `content-length`: the client has the whole body when the last
+/// byte is written, while the last part and the completion are still on their way to the store
+/// (instance A's store replies come 150 ms late). A retry at once on instance B finds the key
+/// in flight with parts stored; within the completion grace it waits for the end and replays
+/// it (before, parts stored ended the wait at once: 409).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_right_after_a_streamed_response_gets_the_replay() {
+    use http_body_util::BodyExt;
+    use support::within;
+    let server = RedisServer::start_owned().await;
+    let proxy = testkit::FaultProxy::start(&server).await;
+    let prefix = testkit::unique_prefix("streamed-grace");
+    let (a, probe) = app(&redis_store(&proxy.url(), &prefix).await, |b| b);
+    let b = app_with(&redis_store(&server.url(), &prefix).await, &probe, |b| {
+        b.completion_grace(Duration::from_secs(10))
+    });
+    let (addr_a, _server_a) = serve(a).await;
+    let (addr_b, _server_b) = serve(b).await;
+    proxy.delay_replies(Duration::from_millis(150));
+    let client = client();
+    let request = |addr: std::net::SocketAddr| {
+        Request::post(format!("http://{addr}/stream?length=true"))
+            .header("idempotency-key", "s")
+            .header("authorization", "alice")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let first = within("the response", client.request(request(addr_a)))
+        .await
+        .unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let body = within("the body", first.into_body().collect())
+        .await
+        .unwrap()
+        .to_bytes();
+    let expected: String = (0..10).map(|i| format!("run 1 part {i};")).collect();
+    assert_eq!(body, expected);
+    let retry = within("the retry", client.request(request(addr_b)))
+        .await
+        .unwrap();
+    assert_eq!(retry.status(), StatusCode::OK, "{retry:?}");
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    let replayed = within("the replay", retry.into_body().collect())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert_eq!(replayed, body);
+    assert_eq!(probe.runs(), 1);
+    proxy.delay_replies(Duration::ZERO);
+}
+
 #[tokio::test]
 async fn a_lease_taken_away_mid_handler_is_not_completed() {
     let server = RedisServer::start().await;

@@ -149,7 +149,8 @@ impl Lock {
         let started = clock::now();
         let mut op = self.op();
         let backend = self.client.backend();
-        let (attempt, sent) = acquire_until(backend, &mut op, &self.config, deadline).await?;
+        let (attempt, sent) =
+            acquire_until(backend, &mut op, &self.config, deadline, false).await?;
         match attempt {
             Attempt::Acquired { fence } => Ok(LockGuard::start(
                 self.client.watchdog(),
@@ -281,12 +282,14 @@ pub(crate) async fn acquire_until(
     op: &mut Op,
     config: &LockConfig,
     deadline: Option<Instant>,
+    follow: bool,
 ) -> Result<(Attempt, Instant), LockError> {
     let Some(deadline) = deadline else {
         return attempt(backend, op, config).await;
     };
-    // A run-once waiter also wakes on the holder's progress: its first part ends the wait.
-    let once = matches!(op.mode, Mode::Once { .. });
+    // A run-once waiter that follows records live also wakes on the holder's progress: its
+    // first part ends the wait. (One that waits for the record waits through the parts.)
+    let once = follow && matches!(op.mode, Mode::Once { .. });
     let mut waiter = None;
     let mut backoff = Backoff::new(config.retry_base(), config.retry_max());
     // Woken by a release, and the attempt that followed found the lock still held. A local

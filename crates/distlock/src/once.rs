@@ -574,7 +574,7 @@ impl Once {
     /// # Ok(()) }
     /// ```
     pub async fn begin(&self, tag: impl Into<Bytes>) -> Result<Begin, LockError> {
-        self.begin_with(tag.into(), None).await
+        self.begin_with(tag.into(), None, false).await
     }
 
     /// Like [`begin`](Once::begin), but while someone is in flight waits up to `wait` (woken by
@@ -607,11 +607,53 @@ impl Once {
         self.begin_with(
             tag.into(),
             Some(crate::clock::after(crate::clock::now(), wait)),
+            true,
         )
         .await
     }
 
-    async fn begin_with(&self, tag: Bytes, deadline: Option<Instant>) -> Result<Begin, LockError> {
+    /// Like [`begin_wait`](Once::begin_wait), but waits through a streamed record's parts for
+    /// its end: returns `Done` (or `Acquired`, if they gave up) as soon as it is there, and
+    /// `InFlight` only when `wait` ends first. For a caller that answers with complete records
+    /// only (a duplicate that arrives while the record's last part and completion are on their
+    /// way must get the record, not "in flight").
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// use std::time::Duration;
+    /// use distlock::Begin;
+    /// let once = distlock::LockClient::memory().once("evt_2")?;
+    /// let Begin::Acquired(guard) = once.begin("fp").await? else { unreachable!() };
+    /// guard.append(b"head").await?;
+    /// let waiting = tokio::spawn({
+    ///     let once = once.clone();
+    ///     async move { once.begin_wait_done("fp", Duration::from_secs(5)).await }
+    /// });
+    /// tokio::time::sleep(Duration::from_millis(20)).await;
+    /// guard.complete(b"end").await?;
+    /// assert!(matches!(waiting.await.unwrap()?, Begin::Done(r) if r.parts() == 2));
+    /// # Ok(()) }
+    /// ```
+    pub async fn begin_wait_done(
+        &self,
+        tag: impl Into<Bytes>,
+        wait: Duration,
+    ) -> Result<Begin, LockError> {
+        self.begin_with(
+            tag.into(),
+            Some(crate::clock::after(crate::clock::now(), wait)),
+            false,
+        )
+        .await
+    }
+
+    async fn begin_with(
+        &self,
+        tag: Bytes,
+        deadline: Option<Instant>,
+        follow: bool,
+    ) -> Result<Begin, LockError> {
         let mut op = Op {
             name: self.name.clone(),
             token: Token::random(),
@@ -625,7 +667,8 @@ impl Once {
             },
         };
         let backend = self.client.backend();
-        let (attempt, sent) = acquire_until(backend, &mut op, &self.config, deadline).await?;
+        let (attempt, sent) =
+            acquire_until(backend, &mut op, &self.config, deadline, follow).await?;
         Ok(match attempt {
             Attempt::Acquired { fence } => Begin::Acquired(OnceGuard {
                 guard: LockGuard::start(
