@@ -187,6 +187,7 @@ pub(crate) struct Config {
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) body_limit: usize,
     pub(crate) read_timeout: Duration,
+    pub(crate) stall_timeout: Duration,
     pub(crate) record_limit: usize,
     pub(crate) chunk_size: usize,
     pub(crate) retention: Duration,
@@ -231,6 +232,7 @@ impl std::fmt::Debug for Config {
             .field("fingerprint_headers", &self.fingerprint_headers)
             .field("body_limit", &self.body_limit)
             .field("read_timeout", &self.read_timeout)
+            .field("stall_timeout", &self.stall_timeout)
             .field("record_limit", &self.record_limit)
             .field("chunk_size", &self.chunk_size)
             .field("retention", &self.retention)
@@ -304,6 +306,7 @@ impl IdempotencyLayer {
             fingerprint_headers: vec![header::CONTENT_TYPE],
             body_limit: 1 << 20,
             read_timeout: Duration::from_secs(30),
+            stall_timeout: Duration::from_secs(30),
             record_limit: None,
             chunk_size: 64 * 1024,
             retention: Duration::from_secs(24 * 3600),
@@ -347,6 +350,7 @@ pub struct IdempotencyLayerBuilder {
     fingerprint_headers: Vec<HeaderName>,
     body_limit: usize,
     read_timeout: Duration,
+    stall_timeout: Duration,
     record_limit: Option<usize>,
     chunk_size: usize,
     retention: Duration,
@@ -535,6 +539,24 @@ impl IdempotencyLayerBuilder {
     /// ```
     pub fn read_timeout(mut self, timeout: Duration) -> Self {
         self.read_timeout = timeout;
+        self
+    }
+
+    /// How long a streamed response waits for its client to read on (default 30 s). A client
+    /// that stops reading without closing its connection (a phone that lost its network: the
+    /// server's TCP retransmits for many minutes) would hold the execution, and with it the
+    /// key, for as long as its connection lives: once a frame has waited this long for it, the
+    /// response is no longer sent to it (if it ever reads on, its body breaks off) and the
+    /// execution goes on at the handler's pace, storing the outcome for its retry. Not with
+    /// [`cancel_on_disconnect`](Self::cancel_on_disconnect), where the client's connection
+    /// drives the execution.
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .stall_timeout(std::time::Duration::from_secs(10));
+    /// ```
+    pub fn stall_timeout(mut self, timeout: Duration) -> Self {
+        self.stall_timeout = timeout;
         self
     }
 
@@ -823,6 +845,9 @@ impl IdempotencyLayerBuilder {
         if self.read_timeout.is_zero() {
             return invalid("read_timeout", "must be above zero".into());
         }
+        if self.stall_timeout.is_zero() {
+            return invalid("stall_timeout", "must be above zero".into());
+        }
         if self.retry_after.is_zero() {
             return invalid("retry_after", "must be above zero".into());
         }
@@ -916,6 +941,7 @@ impl IdempotencyLayerBuilder {
                 fingerprint_headers: self.fingerprint_headers,
                 body_limit: self.body_limit,
                 read_timeout: self.read_timeout,
+                stall_timeout: self.stall_timeout,
                 record_limit,
                 chunk_size: self.chunk_size,
                 retention: self.retention,
@@ -951,6 +977,7 @@ mod tests {
             (base().chunk_size(100), "chunk_size"),
             (base().chunk_size(MAX_CHUNK_SIZE + 1), "chunk_size"),
             (base().read_timeout(Duration::ZERO), "read_timeout"),
+            (base().stall_timeout(Duration::ZERO), "stall_timeout"),
             (base().retry_after(Duration::ZERO), "retry_after"),
             (base().retention(Duration::from_secs(1)), "retention"),
             (

@@ -277,7 +277,8 @@ fn streamed<B>(
     key: &[u8; 32],
     name: &str,
 ) -> Response<ResponseBody<B>> {
-    let (feed, mut body) = Feed::channel();
+    // Driven by the body: a client that reads nothing holds nothing.
+    let (feed, mut body) = Feed::channel(None);
     let reading = read(source, feed, *key, name.to_owned(), head.fence);
     // The body drives the reading while the client reads; dropping it stops the reading.
     let _ = body.drive(Execution::cancellable(Box::pin(reading)));

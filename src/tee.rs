@@ -94,7 +94,10 @@ pub(crate) async fn tee<B, E>(
     // Streamed: the head goes out now, the frames as they come.
     let status = parts.status;
     let headers = parts.headers.clone();
-    let (mut feed, mut live) = Feed::channel();
+    // A detached execution runs at its own pace: a client that stops reading is given up after
+    // the stall timeout. A cancellable one is driven by the client's reading.
+    let stall = (!run.config.cancel_on_disconnect).then_some(run.config.stall_timeout);
+    let (mut feed, mut live) = Feed::channel(stall);
     live.storing(announced);
     // What was read goes to the client before anything waits on the store; what fits in the
     // feed is queued before the head is handed over, so that the client's first read of the

@@ -287,6 +287,63 @@ async fn trailers_over_a_socket(s: TestStore, http2: bool) {
     assert_eq!(t.runs(), 1, "the handler ran again");
 }
 
+/// A client that stops reading a large streamed response without closing its connection (a
+/// phone that lost its network: the server's TCP retransmits for many minutes) must not hold the
+/// execution, and with it the key, for as long as its connection lives: once a frame has waited
+/// `stall_timeout` for it, the response is no longer sent to it and the execution goes on,
+/// storing the outcome. The retry, on another connection while the first is still open, gets
+/// the whole response. (Fails with the timeout out of reach: the execution waits on the first
+/// client, and the retry follows it no further than where it stopped.)
+async fn a_client_that_stops_reading_does_not_hold_the_key(s: TestStore) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const MIB: usize = 16;
+    let t = Tokens::new(true);
+    let app = app(&s, &t, |b| {
+        b.chunk_size(64 * 1024)
+            .stall_timeout(Duration::from_millis(300))
+    });
+    let (addr, _server) = support::serve(app).await;
+    // A small receive window, so that the server's buffers fill after a few MiB.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stalled = socket.connect(addr).await.unwrap();
+    stalled
+        .write_all(
+            format!(
+                "POST /download?mib={MIB} HTTP/1.1\r\nhost: x\r\nidempotency-key: stall\r\ncontent-length: 0\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let mut head = [0u8; 1024];
+    let n = within("the head on the socket", stalled.read(&mut head))
+        .await
+        .unwrap();
+    assert!(
+        n > 0 && head.starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        &head[..n]
+    );
+    // From here on the first client reads nothing, and keeps its connection open.
+    let client = support::client();
+    let mut retry = request(&format!("/download?mib={MIB}"), "stall");
+    *retry.uri_mut() = format!("http://{addr}/download?mib={MIB}").parse().unwrap();
+    let response = within("the retry's head", client.request(retry))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["idempotent-replayed"], "true");
+    let body = within("the retry's whole body", response.into_body().collect())
+        .await
+        .expect("the retry's body broke off")
+        .to_bytes();
+    assert_eq!(body.len(), MIB << 20);
+    assert!(body.iter().all(|b| *b == b'x'));
+    assert_eq!(t.runs(), 1);
+    drop(stalled);
+}
+
 both_stores!(
     the_first_event_arrives_before_the_handler_finishes,
     trailers_over_http2_are_stored_when_cancellable,
@@ -295,6 +352,7 @@ both_stores!(
     a_client_that_leaves_mid_stream_gets_the_whole_stream_on_retry,
     trailers_round_trip,
     a_body_not_kept_is_never_replayed_as_a_success,
+    a_client_that_stops_reading_does_not_hold_the_key,
 );
 
 /// The writer's lease is lost mid-stream (no renewal, a short lease): it appends nothing more,

@@ -2,6 +2,7 @@
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::HeaderMap;
@@ -23,11 +24,12 @@ pub(crate) enum Message {
     End,
 }
 
-/// The sending side of a fed body. Sends fail silently once the client went away: the
-/// execution goes on without it.
+/// The sending side of a fed body. Sends fail silently once the client went away, or stopped
+/// reading for longer than the stall timeout: the execution goes on without it.
 #[derive(Debug)]
 pub(crate) struct Feed {
     tx: Option<mpsc::Sender<Message>>,
+    stall: Option<Duration>,
 }
 
 impl Feed {
@@ -35,7 +37,10 @@ impl Feed {
     /// enough that the layer's memory stays a few frames.
     const DEPTH: usize = 4;
 
-    pub(crate) fn channel<B>() -> (Feed, ResponseBody<B>) {
+    /// A body and its feed. With a `stall` timeout, a message that waits that long for room
+    /// (the client reads nothing) gives the client up; without, it waits as long as the body
+    /// lives (a body that drives its execution: while the client reads nothing, nothing runs).
+    pub(crate) fn channel<B>(stall: Option<Duration>) -> (Feed, ResponseBody<B>) {
         let (tx, rx) = mpsc::channel(Self::DEPTH);
         let body = ResponseBody {
             kind: Kind::Fed {
@@ -47,7 +52,13 @@ impl Feed {
                 ended: false,
             },
         };
-        (Feed { tx: Some(tx) }, body)
+        (
+            Feed {
+                tx: Some(tx),
+                stall,
+            },
+            body,
+        )
     }
 
     /// Queues a message if there is room at once; gives it back if there is none. (A client
@@ -64,12 +75,30 @@ impl Feed {
         }
     }
 
-    /// Sends a message; returns whether the client is still there.
+    /// Sends a message; returns whether the client is still there. A client that leaves the
+    /// message waiting `stall` for room is given up: dropping the sender ends its body with an
+    /// error after what it was sent (never a complete short body), and the execution goes on.
     pub(crate) async fn send(&mut self, message: Message) -> bool {
-        if let Some(tx) = &self.tx
-            && tx.send(message).await.is_err()
-        {
-            self.tx = None;
+        let message = match self.try_send(message) {
+            Ok(()) => return self.tx.is_some(),
+            Err(message) => message,
+        };
+        let Some(tx) = &self.tx else { return false };
+        let sent = match self.stall {
+            Some(stall) => tokio::time::timeout(stall, tx.send(message)).await,
+            None => Ok(tx.send(message).await),
+        };
+        match sent {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => self.tx = None,
+            Err(_) => {
+                tracing::warn!(
+                    stall = ?self.stall,
+                    "idempotency: the client stopped reading the response; it is no longer \
+                     sent, and its outcome is still stored"
+                );
+                self.tx = None;
+            }
         }
         self.tx.is_some()
     }
@@ -284,9 +313,30 @@ mod tests {
     use http_body_util::{BodyExt, Empty};
     use std::future::Future;
 
+    /// A client that reads nothing for the stall timeout is given up: the send returns (the
+    /// execution goes on), later sends cost nothing, and the body, if it is ever read, gives
+    /// what was queued and then breaks off.
+    #[tokio::test]
+    async fn a_client_that_reads_nothing_is_given_up_after_the_stall_timeout() {
+        let (mut feed, mut body) = Feed::channel::<Empty<Bytes>>(Some(Duration::from_millis(20)));
+        let frame = || Message::Frame(Frame::data(Bytes::from_static(b"ab")));
+        for _ in 0..Feed::DEPTH {
+            assert!(feed.send(frame()).await, "room in the channel");
+        }
+        let waited = tokio::time::Instant::now();
+        assert!(!feed.send(frame()).await, "given up");
+        assert!(waited.elapsed() >= Duration::from_millis(20));
+        assert!(!feed.send(Message::End).await);
+        for _ in 0..Feed::DEPTH {
+            let frame = body.frame().await.unwrap().unwrap();
+            assert_eq!(frame.into_data().unwrap(), "ab");
+        }
+        assert!(body.frame().await.unwrap().is_err(), "breaks off");
+    }
+
     #[tokio::test]
     async fn a_fed_body_ends_only_on_its_end_message() {
-        let (mut feed, body) = Feed::channel::<Empty<Bytes>>();
+        let (mut feed, body) = Feed::channel::<Empty<Bytes>>(None);
         tokio::spawn(async move {
             feed.send(Message::Frame(Frame::data(Bytes::from_static(b"ab"))))
                 .await;
@@ -295,7 +345,7 @@ mod tests {
         assert_eq!(body.collect().await.unwrap().to_bytes(), "ab");
 
         // The sender vanishing without an end is an error, never a complete short body.
-        let (mut feed, body) = Feed::channel::<Empty<Bytes>>();
+        let (mut feed, body) = Feed::channel::<Empty<Bytes>>(None);
         tokio::spawn(async move {
             feed.send(Message::Frame(Frame::data(Bytes::from_static(b"ab"))))
                 .await;
@@ -322,7 +372,7 @@ mod tests {
     /// waiting to send, wakes the task polling the body.
     #[test]
     fn a_body_driving_its_producer_does_not_wake_its_own_task() {
-        let (mut feed, mut body) = Feed::channel::<Empty<Bytes>>();
+        let (mut feed, mut body) = Feed::channel::<Empty<Bytes>>(None);
         let mut step = 0;
         let producer = std::future::poll_fn(move |cx| {
             step += 1;
@@ -375,7 +425,7 @@ mod tests {
             // A body still to be read: dropped unread, it was abandoned (cancel_on_disconnect).
             (http::StatusCode::OK, false),
         ] {
-            let (_feed, mut body) = Feed::channel::<Empty<Bytes>>();
+            let (_feed, mut body) = Feed::channel::<Empty<Bytes>>(None);
             let (parts, ()) = http::Response::builder()
                 .status(status)
                 .body(())

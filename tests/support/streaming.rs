@@ -121,8 +121,9 @@ async fn tokens(State(t): State<Tokens>, Query(q): Query<TokensQuery>) -> Respon
     response
 }
 
-/// `mib` MiB in 64 KiB chunks, all ready at once.
-async fn download(Query(q): Query<DownloadQuery>) -> Response {
+/// `mib` MiB in 64 KiB chunks, all ready at once (a run, counted with the streams').
+async fn download(State(t): State<Tokens>, Query(q): Query<DownloadQuery>) -> Response {
+    t.runs.fetch_add(1, Ordering::SeqCst);
     static CHUNK: [u8; 64 * 1024] = [b'x'; 64 * 1024];
     let chunks = futures_util::stream::iter(
         (0..q.mib * 16).map(|_| Ok::<_, Infallible>(Frame::data(Bytes::from_static(&CHUNK)))),
