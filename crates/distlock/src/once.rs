@@ -604,12 +604,7 @@ impl Once {
         tag: impl Into<Bytes>,
         wait: Duration,
     ) -> Result<Begin, LockError> {
-        self.begin_with(
-            tag.into(),
-            Some(crate::clock::after(crate::clock::now(), wait)),
-            true,
-        )
-        .await
+        self.begin_within(tag.into(), wait, true).await
     }
 
     /// Like [`begin_wait`](Once::begin_wait), but waits through a streamed record's parts for
@@ -640,12 +635,17 @@ impl Once {
         tag: impl Into<Bytes>,
         wait: Duration,
     ) -> Result<Begin, LockError> {
-        self.begin_with(
-            tag.into(),
-            Some(crate::clock::after(crate::clock::now(), wait)),
-            false,
-        )
-        .await
+        self.begin_within(tag.into(), wait, false).await
+    }
+
+    async fn begin_within(
+        &self,
+        tag: Bytes,
+        wait: Duration,
+        follow: bool,
+    ) -> Result<Begin, LockError> {
+        let deadline = crate::clock::after(crate::clock::now(), wait);
+        self.begin_with(tag, Some(deadline), follow).await
     }
 
     async fn begin_with(

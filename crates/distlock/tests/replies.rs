@@ -172,14 +172,18 @@ async fn a_lost_completion_reply_is_recognised_on_retry() {
     }
 }
 
-/// A completion that ran but whose reply was lost, retried on a new connection with the
-/// replica check on: the retry finds the record already stored and writes nothing, so its
-/// `WAIT` is all that stands between a record on the master alone and a success. Redis (7.0,
-/// and Valkey 9) answers a `WAIT` on a connection that wrote nothing against the master's
-/// current offset, so a frozen replica is not counted: the completion fails its replica check
-/// (with the record not on the replica, a failover could lose it) instead of succeeding.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_retried_completion_is_checked_on_the_replicas() {
+/// A master with a replica in sync, a fault proxy in front of the master, and a client through
+/// it that checks one replica (`WAIT`, 200 ms) after every write: a 30 s lease, a 600 ms
+/// command timeout. `m` is a direct connection to the master.
+struct Replicated {
+    master: RedisServer,
+    replica: RedisServer,
+    proxy: FaultProxy,
+    client: LockClient,
+    m: redis::aio::MultiplexedConnection,
+}
+
+async fn replicated(test: &str) -> Replicated {
     let master = RedisServer::start_owned().await;
     let replica = RedisServer::start_with(
         ServerOptions::default()
@@ -188,7 +192,7 @@ async fn a_retried_completion_is_checked_on_the_replicas() {
             .arg(master.port().to_string()),
     )
     .await;
-    let mut m = master.connection().await;
+    let m = master.connection().await;
     let synced = eventually(Duration::from_secs(10), || {
         let mut m = m.clone();
         async move {
@@ -203,7 +207,7 @@ async fn a_retried_completion_is_checked_on_the_replicas() {
     .await;
     assert!(synced, "the replica is in sync");
     let proxy = FaultProxy::start(&master).await;
-    let prefix = testkit::unique_prefix("wait-complete");
+    let prefix = testkit::unique_prefix(test);
     let config = LockConfig::builder()
         .lease(Duration::from_secs(30))
         .op_timeout(ms(600))
@@ -218,6 +222,30 @@ async fn a_retried_completion_is_checked_on_the_replicas() {
         .connect(&proxy.url())
         .unwrap();
     client.prepare().await.unwrap();
+    Replicated {
+        master,
+        replica,
+        proxy,
+        client,
+        m,
+    }
+}
+
+/// A completion that ran but whose reply was lost, retried on a new connection with the
+/// replica check on: the retry finds the record already stored and writes nothing, so its
+/// `WAIT` is all that stands between a record on the master alone and a success. Redis (7.0,
+/// and Valkey 9) answers a `WAIT` on a connection that wrote nothing against the master's
+/// current offset, so a frozen replica is not counted: the completion fails its replica check
+/// (with the record not on the replica, a failover could lose it) instead of succeeding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_completion_is_checked_on_the_replicas() {
+    let Replicated {
+        master: _master,
+        replica,
+        proxy,
+        client,
+        mut m,
+    } = replicated("wait-complete").await;
     let once = client.once("evt").unwrap();
     let Begin::Acquired(guard) = once.begin("tag").await.unwrap() else {
         panic!("free")
@@ -416,44 +444,13 @@ async fn a_dropped_redlock_acquisition_frees_every_node() {
 /// The acquisition must not succeed, and the lock it took must not stay behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_replica_check_waits_on_the_connection_that_wrote() {
-    let master = RedisServer::start_owned().await;
-    let replica = RedisServer::start_with(
-        ServerOptions::default()
-            .arg("--replicaof")
-            .arg("127.0.0.1")
-            .arg(master.port().to_string()),
-    )
-    .await;
-    let mut m = master.connection().await;
-    let synced = eventually(Duration::from_secs(10), || {
-        let mut m = m.clone();
-        async move {
-            let info: String = redis::cmd("INFO")
-                .arg("replication")
-                .query_async(&mut m)
-                .await
-                .unwrap();
-            info.contains("state=online")
-        }
-    })
-    .await;
-    assert!(synced, "the replica is in sync");
-    let proxy = FaultProxy::start(&master).await;
-    let prefix = testkit::unique_prefix("wait-fresh");
-    let config = LockConfig::builder()
-        .lease(Duration::from_secs(30))
-        .op_timeout(ms(600))
-        .build()
-        .unwrap();
-    let client = LockClient::builder()
-        .config(config)
-        .prefix(&prefix)
-        .unwrap()
-        .replicas(1, ms(200))
-        .unwrap()
-        .connect(&proxy.url())
-        .unwrap();
-    client.prepare().await.unwrap();
+    let Replicated {
+        master,
+        replica,
+        proxy,
+        client,
+        mut m,
+    } = replicated("wait-fresh").await;
     let lock = client.lock("k").unwrap();
     let key = lock.name().lock_key().to_owned();
     replica.pause().await;
