@@ -545,11 +545,15 @@ impl IdempotencyLayerBuilder {
     /// How long a streamed response waits for its client to read on (default 30 s). A client
     /// that stops reading without closing its connection (a phone that lost its network: the
     /// server's TCP retransmits for many minutes) would hold the execution, and with it the
-    /// key, for as long as its connection lives: once a frame has waited this long for it, the
-    /// response is no longer sent to it (if it ever reads on, its body breaks off) and the
-    /// execution goes on at the handler's pace, storing the outcome for its retry. Not with
-    /// [`cancel_on_disconnect`](Self::cancel_on_disconnect), where the client's connection
-    /// drives the execution.
+    /// key, for as long as its connection lives. The response goes to the client in pieces of
+    /// at most 16 KiB: once one has waited this long for room (the client took less than
+    /// 16 KiB in that time, about 550 bytes/s at the default), the response is no longer sent
+    /// to it (if it ever reads on, its body breaks off: over HTTP/1.0, whose bodies end with
+    /// the connection, it cannot tell) and the execution goes on at the handler's pace, storing
+    /// the outcome for its retry. A body that is not kept (`KeepBody::No`, over the record
+    /// limit) cannot be replayed, so its client is never given up. Not with
+    /// [`cancel_on_disconnect`](Self::cancel_on_disconnect), where the client's reading drives
+    /// the execution (a stalled client holds the key as long as its connection lives).
     ///
     /// ```
     /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())

@@ -40,6 +40,11 @@ const WHOLE_LIMIT: usize = 64 * 1024;
 /// How long a paused body may keep data back from the store before it is appended.
 const IDLE_FLUSH: Duration = Duration::from_millis(10);
 
+/// The largest piece of data sent to the client at a time (a larger frame is cut, its bytes
+/// shared): the stall timeout is how long one piece may wait for room, so a client is given
+/// up only when it reads less than this in that time, whatever the handler's frame sizes.
+const PIECE: usize = 16 * 1024;
+
 /// Sends the response to the client and stores its outcome; `keep`: whether its body is kept.
 pub(crate) async fn tee<B, E>(
     run: Box<Run>,
@@ -130,6 +135,7 @@ pub(crate) async fn tee<B, E>(
     for frame in early {
         sink.add(&run, frame).await;
     }
+    sink.patience(&mut feed);
     let mut failed: Option<BoxError> = failed;
     while failed.is_none() {
         let next = match poll_now(body.as_mut()).await {
@@ -153,6 +159,7 @@ pub(crate) async fn tee<B, E>(
             Some(Ok(frame)) => {
                 forward(&mut feed, &frame).await;
                 sink.add(&run, frame).await;
+                sink.patience(&mut feed);
             }
             Some(Err(error)) => failed = Some(error),
         }
@@ -170,9 +177,19 @@ pub(crate) async fn tee<B, E>(
     }
 }
 
-/// Sends a frame to the client (a copy of its handle: the data is shared).
+/// Sends a frame to the client (a copy of its handle: the data is shared), its data in pieces
+/// of at most [`PIECE`] bytes.
 async fn forward(feed: &mut Feed, frame: &Frame<Bytes>) {
-    if let Some(message) = copy(frame) {
+    if let Some(data) = frame.data_ref() {
+        let mut data = data.clone();
+        while data.len() > PIECE {
+            let piece = data.split_to(PIECE);
+            if !feed.send(Message::Frame(Frame::data(piece))).await {
+                return;
+            }
+        }
+        feed.send(Message::Frame(Frame::data(data))).await;
+    } else if let Some(message) = copy(frame) {
         feed.send(message).await;
     }
 }
@@ -237,6 +254,15 @@ impl Sink {
             }
         }
         sink
+    }
+
+    /// A body no longer kept cannot be replayed: giving its client up would only leave it
+    /// without the response (its retry gets 410), so it is then sent as slowly as the client
+    /// reads, with no stall timeout.
+    fn patience(&self, feed: &mut Feed) {
+        if matches!(self.mode, Mode::Dropped) {
+            feed.wait_for_the_client();
+        }
     }
 
     fn holds_data(&self) -> bool {
@@ -367,5 +393,44 @@ fn concat(mut chunks: Vec<Bytes>) -> Bytes {
             }
             out.freeze()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{BodyExt, Empty};
+
+    /// A large frame reaches the client in pieces of at most `PIECE` bytes (so that the stall
+    /// timeout bounds the wait for a piece, not for a whole frame of any size), the same bytes
+    /// in order; trailers pass whole.
+    #[tokio::test]
+    async fn large_frames_reach_the_client_in_pieces() {
+        let (mut feed, mut body) = Feed::channel::<Empty<Bytes>>(None);
+        let data: Bytes = (0..100 * 1024 + 7).map(|i| i as u8).collect();
+        let sent = data.clone();
+        tokio::spawn(async move {
+            forward(&mut feed, &Frame::data(sent)).await;
+            let mut trailers = HeaderMap::new();
+            trailers.insert("x-end", "1".parse().unwrap());
+            forward(&mut feed, &Frame::trailers(trailers)).await;
+            feed.send(Message::End).await;
+        });
+        let mut received = Vec::new();
+        let mut pieces = 0;
+        let mut trailers = None;
+        while let Some(frame) = body.frame().await {
+            match frame.unwrap().into_data() {
+                Ok(piece) => {
+                    assert!(piece.len() <= PIECE, "a piece of {} bytes", piece.len());
+                    pieces += 1;
+                    received.extend_from_slice(&piece);
+                }
+                Err(frame) => trailers = frame.into_trailers().ok(),
+            }
+        }
+        assert_eq!(received, data);
+        assert_eq!(pieces, data.len().div_ceil(PIECE));
+        assert_eq!(trailers.unwrap()["x-end"], "1");
     }
 }

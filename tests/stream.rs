@@ -344,6 +344,52 @@ async fn a_client_that_stops_reading_does_not_hold_the_key(s: TestStore) {
     drop(stalled);
 }
 
+/// A body not kept cannot be replayed: its client, however long it pauses, is never given up
+/// (its retry would get 410, and it would have nothing). A client that stops reading for three
+/// times the stall timeout, then reads on, gets the whole response (it broke off when the stall
+/// timeout applied to it).
+async fn a_client_pausing_on_a_body_not_kept_gets_it_all(s: TestStore) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const MIB: usize = 16;
+    let t = Tokens::new(true);
+    let app = app(&s, &t, |b| {
+        b.chunk_size(64 * 1024)
+            .stall_timeout(Duration::from_millis(300))
+    });
+    let (addr, _server) = support::serve(app).await;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut paused = socket.connect(addr).await.unwrap();
+    paused
+        .write_all(
+            format!(
+                "POST /download?mib={MIB}&not_kept=true HTTP/1.1\r\nhost: x\r\nidempotency-key: pause\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let mut received = vec![0u8; 1024];
+    let n = within("the head on the socket", paused.read(&mut received))
+        .await
+        .unwrap();
+    received.truncate(n);
+    assert!(received.starts_with(b"HTTP/1.1 200"));
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    within(
+        "the rest, to the connection's end",
+        paused.read_to_end(&mut received),
+    )
+    .await
+    .unwrap();
+    assert!(received.len() > MIB << 20, "{} bytes", received.len());
+    assert!(
+        received.ends_with(b"\r\n0\r\n\r\n"),
+        "the chunked body broke off before its end"
+    );
+    assert_eq!(t.runs(), 1);
+}
+
 both_stores!(
     the_first_event_arrives_before_the_handler_finishes,
     trailers_over_http2_are_stored_when_cancellable,
@@ -353,6 +399,7 @@ both_stores!(
     trailers_round_trip,
     a_body_not_kept_is_never_replayed_as_a_success,
     a_client_that_stops_reading_does_not_hold_the_key,
+    a_client_pausing_on_a_body_not_kept_gets_it_all,
 );
 
 /// The writer's lease is lost mid-stream (no renewal, a short lease): it appends nothing more,

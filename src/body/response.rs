@@ -61,6 +61,11 @@ impl Feed {
         )
     }
 
+    /// From now on waits for the client as long as it takes (no stall timeout).
+    pub(crate) fn wait_for_the_client(&mut self) {
+        self.stall = None;
+    }
+
     /// Queues a message if there is room at once; gives it back if there is none. (A client
     /// gone away counts as room: the message is dropped.)
     pub(crate) fn try_send(&mut self, message: Message) -> Result<(), Message> {

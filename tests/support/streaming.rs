@@ -128,12 +128,18 @@ async fn download(State(t): State<Tokens>, Query(q): Query<DownloadQuery>) -> Re
     let chunks = futures_util::stream::iter(
         (0..q.mib * 16).map(|_| Ok::<_, Infallible>(Frame::data(Bytes::from_static(&CHUNK)))),
     );
-    Body::new(StreamBody::new(chunks)).into_response()
+    let mut response = Body::new(StreamBody::new(chunks)).into_response();
+    if q.not_kept {
+        response.extensions_mut().insert(KeepBody::No);
+    }
+    response
 }
 
 #[derive(serde::Deserialize)]
 pub struct DownloadQuery {
     mib: usize,
+    #[serde(default)]
+    not_kept: bool,
 }
 
 pub fn app(
