@@ -13,7 +13,7 @@ fn field(mac: &mut FingerprintMac, bytes: &[u8]) {
 }
 
 /// HMAC-SHA256 (under the fingerprint key derived from the server secret) of the method, path
-/// and query, the chosen headers (all their values, in order) and the body.
+/// and query (as the client sent them), the chosen headers (all their values, in order) and the body.
 pub(crate) fn fingerprint(
     mut mac: FingerprintMac,
     parts: &Parts,
@@ -22,11 +22,8 @@ pub(crate) fn fingerprint(
 ) -> [u8; 32] {
     field(&mut mac, b"tower-idempotency/fingerprint/v3");
     field(&mut mac, parts.method.as_str().as_bytes());
-    let target = parts
-        .uri
-        .path_and_query()
-        .map_or(parts.uri.path(), |pq| pq.as_str());
-    field(&mut mac, target.as_bytes());
+    // As the client sent it: under a nested router the path lacks its prefix.
+    field(&mut mac, crate::key::original_target(parts).as_bytes());
     for name in headers {
         field(&mut mac, name.as_str().as_bytes());
         let values = parts.headers.get_all(name);

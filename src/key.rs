@@ -522,6 +522,25 @@ pub(crate) fn route_template(parts: &Parts) -> Option<&str> {
         .map(|t| t.0.as_str())
 }
 
+/// The path and query the client sent: axum's `OriginalUri` (a nested router sees the path
+/// without its prefix, which may hold parameters of its own), else the request's.
+pub(crate) fn original_target(parts: &Parts) -> &str {
+    #[cfg(feature = "axum")]
+    let uri = parts
+        .extensions
+        .get::<axum::extract::OriginalUri>()
+        .map_or(&parts.uri, |original| &original.0);
+    #[cfg(not(feature = "axum"))]
+    let uri = &parts.uri;
+    uri.path_and_query().map_or(uri.path(), |pq| pq.as_str())
+}
+
+/// The path the client sent (see [`original_target`]).
+pub(crate) fn original_path(parts: &Parts) -> &str {
+    let target = original_target(parts);
+    target.split_once('?').map_or(target, |(path, _)| path)
+}
+
 /// The path parameters the router matched, percent-decoded (collected by the layer from axum).
 #[derive(Debug, Clone)]
 pub(crate) enum PathParams {

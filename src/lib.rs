@@ -77,6 +77,15 @@
 //!   methods a route does not have; under `Router::layer` (or `Router::route_layer`) axum
 //!   layers its 405 fallback too, and a covered method gets the layer's answer instead.
 //!   Requests that match no route pass through either way (axum's 404).
+//! * **Not above `Router::nest_service`**: axum routes a nested *service* without a
+//!   `MatchedPath`, exactly as it routes its fallback, so an outer layer cannot tell the two
+//!   apart and lets both through: put the layer on the nested service (or use `Router::nest`,
+//!   whose routes it covers).
+//! * Keys are scoped per **route template**: under `Router::nest("/shops/{shop}", ...)` the
+//!   same key (a `key::path("id")` order id, a phone number in the body) used in two shops is
+//!   the same key with another request, refused with 422 (never replayed across them). When a
+//!   key is only unique within a path parameter, make the key carry it (a [`KeySource`] of
+//!   your own) or scope by a [`principal`].
 //! * Timeouts **outside**: a `TimeoutLayer` outside answers the client and leaves the handler to
 //!   finish and store its outcome; inside, it cancels the handler, whose outcome is then
 //!   unknown ([`UnknownOutcome`]).

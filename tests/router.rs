@@ -91,6 +91,47 @@ async fn path_keys_under_a_nested_router() {
     assert_eq!(runs.load(Ordering::SeqCst), 5);
 }
 
+/// Under a router nested at a path with a parameter (`/shops/{shop}`), the nested router sees
+/// the path without its prefix: two shops' requests for the same order looked the same, and
+/// the second shop got the first shop's response replayed. The request is what the client
+/// sent (the original URI): the second shop's request is another request. Keys are scoped per
+/// route template, so the same key there is refused (422), never replayed; as a JSON body key
+/// under a store's prefix.
+#[tokio::test]
+async fn requests_under_a_nested_path_parameter_are_told_apart() {
+    let store = Store::memory();
+    let (runs, pay) = counting();
+    let shop = Router::new()
+        .route("/orders/{id}/pay", post(pay.clone()))
+        .layer(builder(&store).key(key::path("id")).build().unwrap());
+    let app = Router::new().nest("/shops/{shop}", shop);
+    let a = send(&app, post_req("/shops/1/orders/42/pay", None, "")).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{a:?}");
+    let b = send(&app, post_req("/shops/2/orders/42/pay", None, "")).await;
+    assert!(!b.replayed(), "shop 2 got shop 1's response: {b:?}");
+    assert_eq!(b.problem(), "key-reused", "{b:?}");
+    assert!(
+        send(&app, post_req("/shops/1/orders/42/pay", None, ""))
+            .await
+            .replayed()
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    let signup = Router::new().route("/signup", post(pay)).layer(
+        builder(&store)
+            .key(key::json("/phone").unwrap())
+            .build()
+            .unwrap(),
+    );
+    let app = Router::new().nest("/stores/{store}", signup);
+    let body = r#"{"phone":"+33 6 12 34 56 78"}"#;
+    let a = send(&app, post_req("/stores/a/signup", None, body)).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{a:?}");
+    let b = send(&app, post_req("/stores/b/signup", None, body)).await;
+    assert!(!b.replayed(), "store b got store a's signup: {b:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
 /// With `Router::layer` the fallback is layered too: requests that matched no route pass
 /// through untouched (404, whatever their body), instead of key rejections.
 #[tokio::test]
