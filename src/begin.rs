@@ -130,6 +130,11 @@ where
                 );
             }
             Ok(None) => return unprotected(parts, RequestBody::buffered(bytes)),
+            // A body key cannot be in a body of another type: with keys optional, that is a
+            // request without one.
+            Err(Rejection::UnsupportedMediaType { .. }) if !config.key_required => {
+                return unprotected(parts, RequestBody::buffered(bytes));
+            }
             Err(rejection) => return reject(&config, rejection),
         },
     };

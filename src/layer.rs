@@ -441,7 +441,8 @@ impl IdempotencyLayerBuilder {
     }
 
     /// Whether requests without a key are refused with 400 (default) or passed through
-    /// unprotected.
+    /// unprotected. (A request whose body cannot hold a body key, not JSON for a `json` key,
+    /// is refused with 415 when keys are required, and is a request without a key when not.)
     ///
     /// ```
     /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())

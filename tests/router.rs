@@ -132,6 +132,34 @@ async fn requests_under_a_nested_path_parameter_are_told_apart() {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
+/// With `key_required(false)`, a request a body key cannot be in (no JSON, no form body) has
+/// no key: it passes through unprotected, as every keyless request does (it was refused 415,
+/// while the same request passed with `json(..).or(header())`); with a key required it is 415.
+#[tokio::test]
+async fn a_body_key_that_cannot_be_there_is_no_key() {
+    let store = Store::memory();
+    let (runs, pay) = counting();
+    let app = |required: bool| {
+        Router::new().route(
+            "/pay",
+            post(pay.clone()).route_layer(
+                builder(&store)
+                    .key(key::json("/id").unwrap())
+                    .key_required(required)
+                    .build()
+                    .unwrap(),
+            ),
+        )
+    };
+    let bodiless = || Request::post("/pay").body(Body::empty()).unwrap();
+    let optional = send(&app(false), bodiless()).await;
+    assert_eq!(optional.status, StatusCode::CREATED, "{optional:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let required = send(&app(true), bodiless()).await;
+    assert_eq!(required.status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{required:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 /// With `Router::layer` the fallback is layered too: requests that matched no route pass
 /// through untouched (404, whatever their body), instead of key rejections.
 #[tokio::test]
