@@ -616,13 +616,14 @@ impl IdempotencyLayerBuilder {
     ///     .lease(std::time::Duration::from_secs(30)).unwrap();
     /// ```
     pub fn lease(self, lease: Duration) -> Result<Self, ConfigError> {
-        let config = self
-            .store
-            .client()
-            .config()
-            .to_builder()
-            .lease(lease)
-            .build()?;
+        // On the lock timing given so far (`lock_config`), else the store's.
+        let config = match &self.lease {
+            Some(config) => config.clone(),
+            None => self.store.client().config().clone(),
+        }
+        .to_builder()
+        .lease(lease)
+        .build()?;
         Ok(self.lock_config(config))
     }
 
@@ -970,6 +971,25 @@ mod tests {
 
     fn base() -> IdempotencyLayerBuilder {
         IdempotencyLayer::builder(Store::memory()).global_keys()
+    }
+
+    /// `lease` after `lock_config` changes the lease of that configuration, not of the store's
+    /// (it threw the rest of the configuration away).
+    #[test]
+    fn a_lease_after_a_lock_config_keeps_the_rest_of_it() {
+        let timing = distlock::LockConfig::builder()
+            .op_timeout(Duration::from_millis(1500))
+            .build()
+            .unwrap();
+        let layer = base()
+            .lock_config(timing)
+            .lease(Duration::from_secs(30))
+            .unwrap()
+            .build()
+            .unwrap();
+        let config = layer.config().store.client().config();
+        assert_eq!(config.lease(), Duration::from_secs(30));
+        assert_eq!(config.op_timeout(), Duration::from_millis(1500));
     }
 
     #[test]

@@ -28,7 +28,7 @@
 //!    [`secret`](IdempotencyLayerBuilder::secret), the store sees only keyed hashes, records
 //!    sealed with AES-256-GCM, lease tokens and fence counters: nothing readable or forgeable
 //!    without the request and the secret.
-//! 2. **Fingerprint**: SHA-256 of the method, path, chosen headers and body. A key reused for a
+//! 2. **Fingerprint**: HMAC-SHA256 (under the server secret) of the method, path, chosen headers and body. A key reused for a
 //!    different request gets **422**.
 //! 3. **Begin**, one atomic step in the store: a stored response is **replayed** (same status,
 //!    headers and body, plus `Idempotent-Replayed: true`); a request in flight gets **409** with

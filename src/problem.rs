@@ -4,7 +4,7 @@
 //! | type (slug) | status | when |
 //! |---|---|---|
 //! | `missing-key` | 400 | the key is required and the request has none |
-//! | `invalid-key` | 400 | empty, longer than 255 characters, not visible ASCII, not a string or number |
+//! | `invalid-key` | 400 | empty, longer than 255 characters, not visible ASCII, not a string (a body key: numbers are refused too) |
 //! | `duplicate-key` | 400 | several `Idempotency-Key` headers |
 //! | `malformed-body` | 400 | the key comes from the body and the body does not parse |
 //! | `request-timeout` | 408 | the request body did not arrive within the read timeout |

@@ -156,7 +156,11 @@ async fn a_body_key_that_cannot_be_there_is_no_key() {
     assert_eq!(optional.status, StatusCode::CREATED, "{optional:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     let required = send(&app(true), bodiless()).await;
-    assert_eq!(required.status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{required:?}");
+    assert_eq!(
+        required.status,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "{required:?}"
+    );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
