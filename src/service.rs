@@ -69,8 +69,10 @@ impl<S> Idempotency<S> {
     }
 }
 
-/// Whether axum routed the request to a fallback (no route matched): it passes through
-/// untouched, so an unknown path gets the router's 404, not a key rejection. (Under
+/// Whether axum routed the request to a fallback (no route matched), or to a service nested
+/// with `nest_service`: axum gives neither a `MatchedPath`, and nothing public tells them
+/// apart. A keyless one passes through untouched, so an unknown path gets the router's 404,
+/// not a key rejection; one that carries a key is protected (see `carries_a_key`). (Under
 /// `Router::layer` the fallback is layered too; axum marks every request it routes with
 /// `OriginalUri`, and matched ones with `MatchedPath`.)
 fn unmatched<B>(request: &Request<B>) -> bool {
@@ -84,6 +86,26 @@ fn unmatched<B>(request: &Request<B>) -> bool {
     {
         let _ = request;
         false
+    }
+}
+
+impl<S> Idempotency<S> {
+    /// Whether the request carries a key the layer can read without its body (a header key):
+    /// a request routed without a `MatchedPath` is then protected, since it may be a nested
+    /// service's (a fallback's 404 is stored and replayed like any final answer).
+    fn carries_a_key<B>(&self, request: &Request<B>) -> bool {
+        if self.config.key.needs_body() {
+            return false;
+        }
+        let mut head = Request::new(());
+        *head.method_mut() = request.method().clone();
+        *head.uri_mut() = request.uri().clone();
+        *head.headers_mut() = request.headers().clone();
+        let (parts, ()) = head.into_parts();
+        matches!(
+            self.config.key.extract(&parts, &bytes::Bytes::new()),
+            Ok(Some(_))
+        )
     }
 }
 
@@ -115,7 +137,9 @@ where
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let inner = self.inner.clone();
-        if !self.config.methods.contains(request.method()) || unmatched(&request) {
+        if !self.config.methods.contains(request.method())
+            || (unmatched(&request) && !self.carries_a_key(&request))
+        {
             crate::metrics::count(crate::metrics::Event::Passthrough);
             return ResponseFuture::passthrough(inner, request.map(RequestBody::new));
         }

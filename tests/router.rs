@@ -164,6 +164,36 @@ async fn a_body_key_that_cannot_be_there_is_no_key() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// A service nested with `nest_service` under a layered router: axum routes it without a
+/// `MatchedPath`, exactly as its fallback, so the layer cannot tell it from an unknown path,
+/// and the whole subtree ran unprotected. A request that carries a key the layer can read
+/// without its body (a header key) is protected wherever it goes (scoped by the path the
+/// client sent); one without passes through, as to the fallback.
+#[tokio::test]
+async fn keyed_requests_to_a_service_nested_with_nest_service_are_protected() {
+    let store = Store::memory();
+    let (runs, pay) = counting();
+    let app = Router::new()
+        .nest_service("/api", Router::new().route("/orders", post(pay)))
+        .layer(builder(&store).global_keys().build().unwrap());
+    let first = send(&app, post_req("/api/orders", Some("k"), "{}")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let again = send(&app, post_req("/api/orders", Some("k"), "{}")).await;
+    assert!(again.replayed(), "the nested service ran again: {again:?}");
+    assert_eq!(again.body, first.body);
+    let reused = send(&app, post_req("/api/orders", Some("k"), r#"{"other":1}"#)).await;
+    assert_eq!(reused.problem(), "key-reused", "{reused:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let keyless = send(&app, post_req("/api/orders", None, "{}")).await;
+    assert_eq!(keyless.status, StatusCode::CREATED, "{keyless:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    // The router's own fallback: 404, with or without a key.
+    for key in [None, Some("k")] {
+        let nowhere = send(&app, post_req("/nowhere", key, "{}")).await;
+        assert_eq!(nowhere.status, StatusCode::NOT_FOUND, "{nowhere:?}");
+    }
+}
+
 /// With `Router::layer` the fallback is layered too: requests that matched no route pass
 /// through untouched (404, whatever their body), instead of key rejections.
 #[tokio::test]
