@@ -76,6 +76,16 @@ where
     B: Body + Send,
     B::Error: Into<BoxError>,
 {
+    // Before anything that needs one (the body is read under a Tokio timer).
+    if tokio::runtime::Handle::try_current().is_err() {
+        tracing::error!("tower-idempotency needs a Tokio runtime: the request is refused");
+        return reject(
+            &config,
+            Rejection::StoreUnavailable {
+                retry_after: config.retry_after,
+            },
+        );
+    }
     let (mut parts, body) = request.into_parts();
     #[cfg(feature = "axum")]
     if config.key.uses_path_params() {
@@ -138,15 +148,6 @@ where
             Err(rejection) => return reject(&config, rejection),
         },
     };
-    if tokio::runtime::Handle::try_current().is_err() {
-        tracing::error!("tower-idempotency needs a Tokio runtime: the request is refused");
-        return reject(
-            &config,
-            Rejection::StoreUnavailable {
-                retry_after: config.retry_after,
-            },
-        );
-    }
     let principal = match &config.principal {
         None => None,
         Some(source) => match source.principal(&parts) {

@@ -179,3 +179,36 @@ async fn a_streamed_head_is_handed_over_before_the_execution_goes_on() {
         .unwrap();
     assert_eq!(first.into_data().unwrap(), "data: 1\n\n");
 }
+
+/// Called with no Tokio runtime (an executor of another kind), a protected request is refused
+/// with 503 (the handler not run), never a panic: the check came after the body was read with a
+/// Tokio timer, which panics without a runtime.
+#[test]
+fn without_a_tokio_runtime_a_protected_request_is_refused_not_a_panic() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let mut svc = ServiceBuilder::new().layer(memory_layer()).service_fn(
+        move |_: Request<RequestBody<Full<Bytes>>>| {
+            counter.fetch_add(1, Ordering::SeqCst);
+            async move { Ok::<_, Infallible>(Response::new(String::from("ran"))) }
+        },
+    );
+    let request = Request::post("/pay")
+        .header("idempotency-key", "k")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    let mut future = std::pin::pin!(svc.call(request));
+    let waker = futures_util::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        future.as_mut().poll(&mut cx)
+    }));
+    let Ok(std::task::Poll::Ready(Ok(response))) = polled else {
+        panic!(
+            "not answered at once (or a panic): {:?}",
+            polled.map(|p| p.is_ready())
+        );
+    };
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
