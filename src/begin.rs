@@ -123,13 +123,13 @@ where
             },
         );
     }
-    let bytes = match read_request(body, config.body_limit, config.read_timeout).await {
-        Ok(bytes) => bytes,
+    let read = match read_request(body, config.body_limit, config.read_timeout).await {
+        Ok(read) => read,
         Err(rejection) => return reject(&config, rejection),
     };
     let key = match early_key {
         Some(key) => key,
-        None => match config.key.extract(&parts, &bytes) {
+        None => match config.key.extract(&parts, &read.data) {
             Ok(Some(key)) => key,
             Ok(None) if config.key_required => {
                 return reject(
@@ -139,11 +139,11 @@ where
                     },
                 );
             }
-            Ok(None) => return unprotected(parts, RequestBody::buffered(bytes)),
+            Ok(None) => return unprotected(parts, RequestBody::buffered(read)),
             // A body key cannot be in a body of another type: with keys optional, that is a
             // request without one.
             Err(Rejection::UnsupportedMediaType { .. }) if !config.key_required => {
-                return unprotected(parts, RequestBody::buffered(bytes));
+                return unprotected(parts, RequestBody::buffered(read));
             }
             Err(rejection) => return reject(&config, rejection),
         },
@@ -172,7 +172,7 @@ where
         config.keys.fingerprinter(),
         &parts,
         &config.fingerprint_headers,
-        &bytes,
+        &read.data,
     );
     let once = match config.store.client().once(&name) {
         Ok(once) => once,
@@ -222,7 +222,7 @@ where
             ));
             let head = parts.method == http::Method::HEAD;
             Decision::Run {
-                request: Request::from_parts(parts, RequestBody::buffered(bytes)),
+                request: Request::from_parts(parts, RequestBody::buffered(read)),
                 run: Some(Box::new(Run {
                     guard,
                     fingerprint,
@@ -308,7 +308,7 @@ where
                 .extensions
                 .insert(IdempotencyContext::unprotected(name));
             Decision::Run {
-                request: Request::from_parts(parts, RequestBody::buffered(bytes)),
+                request: Request::from_parts(parts, RequestBody::buffered(read)),
                 run: None,
             }
         }

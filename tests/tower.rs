@@ -212,3 +212,40 @@ fn without_a_tokio_runtime_a_protected_request_is_refused_not_a_panic() {
     assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(runs.load(Ordering::SeqCst), 0);
 }
+
+/// The handler gets the request's trailers: the layer reads the body to find the key and the
+/// fingerprint, and handed the handler its data only (the trailers were dropped).
+#[tokio::test]
+async fn the_handler_gets_the_request_trailers() {
+    let svc = ServiceBuilder::new().layer(memory_layer()).service_fn(
+        |req: Request<RequestBody<http_body_util::StreamBody<Frames>>>| async move {
+            let collected = req.into_body().collect().await.unwrap();
+            let trailer = collected
+                .trailers()
+                .and_then(|t| t.get("x-checksum"))
+                .map_or("none".to_owned(), |v| v.to_str().unwrap().to_owned());
+            Ok::<_, Infallible>(Response::new(format!(
+                "{} {trailer}",
+                String::from_utf8_lossy(&collected.to_bytes())
+            )))
+        },
+    );
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert("x-checksum", "abc".parse().unwrap());
+    let frames: Vec<Result<http_body::Frame<Bytes>, Infallible>> = vec![
+        Ok(http_body::Frame::data(Bytes::from_static(b"{}"))),
+        Ok(http_body::Frame::trailers(trailers)),
+    ];
+    let request = Request::post("/pay")
+        .header("idempotency-key", "trailers")
+        .body(http_body_util::StreamBody::new(futures_util::stream::iter(
+            frames,
+        )))
+        .unwrap();
+    let response = svc.oneshot(request).await.unwrap();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "{} abc");
+}
+
+type Frames =
+    futures_util::stream::Iter<std::vec::IntoIter<Result<http_body::Frame<Bytes>, Infallible>>>;

@@ -5,6 +5,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Limited};
 use pin_project_lite::pin_project;
@@ -39,7 +40,7 @@ pin_project! {
 pin_project! {
     #[project = KindProj]
     enum Kind<B> {
-        Buffered { data: Option<Bytes> },
+        Buffered { data: Option<Bytes>, trailers: Option<HeaderMap> },
         Original { #[pin] inner: B },
     }
 }
@@ -52,10 +53,11 @@ impl<B> RequestBody<B> {
         }
     }
 
-    pub(crate) fn buffered(data: Bytes) -> Self {
+    pub(crate) fn buffered(read: Read) -> Self {
         RequestBody {
             kind: Kind::Buffered {
-                data: (!data.is_empty()).then_some(data),
+                data: (!read.data.is_empty()).then_some(read.data),
+                trailers: read.trailers,
             },
         }
     }
@@ -84,7 +86,10 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.project().kind.project() {
-            KindProj::Buffered { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            KindProj::Buffered { data, trailers } => Poll::Ready(match data.take() {
+                Some(d) => Some(Ok(Frame::data(d))),
+                None => trailers.take().map(|t| Ok(Frame::trailers(t))),
+            }),
             KindProj::Original { inner } => match inner.poll_frame(cx) {
                 Poll::Pending => Poll::Pending,
                 Poll::Ready(None) => Poll::Ready(None),
@@ -96,14 +101,14 @@ where
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
-            Kind::Buffered { data } => data.is_none(),
+            Kind::Buffered { data, trailers } => data.is_none() && trailers.is_none(),
             Kind::Original { inner } => inner.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            Kind::Buffered { data } => {
+            Kind::Buffered { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
             Kind::Original { inner } => inner.size_hint(),
@@ -111,19 +116,32 @@ where
     }
 }
 
+/// A request body read whole: its data, and its trailers (handed on to the handler).
+#[derive(Debug, Default)]
+pub(crate) struct Read {
+    pub(crate) data: Bytes,
+    pub(crate) trailers: Option<HeaderMap>,
+}
+
 /// Reads a request body of at most `limit` bytes within `timeout`.
 pub(crate) async fn read_request<B>(
     body: B,
     limit: usize,
     timeout: Duration,
-) -> Result<Bytes, Rejection>
+) -> Result<Read, Rejection>
 where
     B: Body,
     B::Error: Into<BoxError>,
 {
     match tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await {
         Err(_) => Err(Rejection::RequestTimeout { after: timeout }),
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Ok(collected)) => {
+            let trailers = collected.trailers().cloned();
+            Ok(Read {
+                data: collected.to_bytes(),
+                trailers,
+            })
+        }
         Ok(Err(error)) if error.is::<http_body_util::LengthLimitError>() => {
             Err(Rejection::BodyTooLarge { limit })
         }
@@ -157,7 +175,7 @@ mod tests {
             Duration::from_secs(1),
         )
         .await;
-        assert_eq!(ok.unwrap(), Bytes::from_static(b"12345"));
+        assert_eq!(ok.unwrap().data, Bytes::from_static(b"12345"));
         let big = read_request(
             Full::new(Bytes::from_static(b"123456")),
             5,
@@ -177,7 +195,10 @@ mod tests {
 
     #[tokio::test]
     async fn the_inner_service_gets_the_same_bytes_either_way() {
-        let read = RequestBody::<Full<Bytes>>::buffered(Bytes::from_static(b"abc"));
+        let read = RequestBody::<Full<Bytes>>::buffered(Read {
+            data: Bytes::from_static(b"abc"),
+            trailers: None,
+        });
         assert_eq!(read.collect().await.unwrap().to_bytes(), "abc");
         let original = RequestBody::new(chunks(vec![b"a".to_vec(), b"bc".to_vec()]));
         assert_eq!(original.collect().await.unwrap().to_bytes(), "abc");
