@@ -76,16 +76,6 @@ where
     B: Body + Send,
     B::Error: Into<BoxError>,
 {
-    // Before anything that needs one (the body is read under a Tokio timer).
-    if tokio::runtime::Handle::try_current().is_err() {
-        tracing::error!("tower-idempotency needs a Tokio runtime: the request is refused");
-        return reject(
-            &config,
-            Rejection::StoreUnavailable {
-                retry_after: config.retry_after,
-            },
-        );
-    }
     let (mut parts, body) = request.into_parts();
     #[cfg(feature = "axum")]
     if config.key.uses_path_params() {
@@ -110,6 +100,17 @@ where
             Err(rejection) => return reject(&config, rejection),
         }
     };
+    // Before the body is read, under a Tokio timer (a keyless request passed through above
+    // needs no runtime).
+    if tokio::runtime::Handle::try_current().is_err() {
+        tracing::error!("tower-idempotency needs a Tokio runtime: the request is refused");
+        return reject(
+            &config,
+            Rejection::StoreUnavailable {
+                retry_after: config.retry_after,
+            },
+        );
+    }
     let declared = parts
         .headers
         .get(header::CONTENT_LENGTH)
@@ -140,9 +141,11 @@ where
                 );
             }
             Ok(None) => return unprotected(parts, RequestBody::buffered(read)),
-            // A body key cannot be in a body of another type: with keys optional, that is a
-            // request without one.
-            Err(Rejection::UnsupportedMediaType { .. }) if !config.key_required => {
+            // An empty body holds no key, whatever its type: with keys optional, that is a
+            // request without one. (A body of another type may hold one: still 415.)
+            Err(Rejection::UnsupportedMediaType { .. })
+                if !config.key_required && read.data.is_empty() =>
+            {
                 return unprotected(parts, RequestBody::buffered(read));
             }
             Err(rejection) => return reject(&config, rejection),

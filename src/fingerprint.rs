@@ -13,7 +13,7 @@ fn field(mac: &mut FingerprintMac, bytes: &[u8]) {
 }
 
 /// HMAC-SHA256 (under the fingerprint key derived from the server secret) of the method, path
-/// and query (as the client sent them), the chosen headers (all their values, in order) and the body.
+/// and query (as the client sent them, and as routed), the chosen headers (all their values, in order) and the body.
 pub(crate) fn fingerprint(
     mut mac: FingerprintMac,
     parts: &Parts,
@@ -22,8 +22,18 @@ pub(crate) fn fingerprint(
 ) -> [u8; 32] {
     field(&mut mac, b"tower-idempotency/fingerprint/v3");
     field(&mut mac, parts.method.as_str().as_bytes());
-    // As the client sent it: under a nested router the path lacks its prefix.
-    field(&mut mac, crate::key::original_target(parts).as_bytes());
+    // As the client sent it (under a nested router the path lacks its prefix, which may hold
+    // path parameters), and as routed when that differs (a rewrite inside the router). A
+    // routed path starts with '/', a header name (the next field otherwise) never does.
+    let sent = crate::key::original_target(parts);
+    field(&mut mac, sent.as_bytes());
+    let routed = parts
+        .uri
+        .path_and_query()
+        .map_or(parts.uri.path(), |pq| pq.as_str());
+    if routed != sent {
+        field(&mut mac, routed.as_bytes());
+    }
     for name in headers {
         field(&mut mac, name.as_str().as_bytes());
         let values = parts.headers.get_all(name);
@@ -67,6 +77,36 @@ mod tests {
             base,
             fp(&keys, "POST", "/a?x=1", "application/json", b"{ }")
         );
+        // As the client sent it and as routed: a nested router's stripped path, or a rewrite
+        // inside the router, tells requests apart that one of the two alone would not.
+        #[cfg(feature = "axum")]
+        {
+            let routed = |original: &str, uri: &str| {
+                let mut parts = http::Request::builder()
+                    .method("POST")
+                    .uri(uri)
+                    .header(CONTENT_TYPE, "application/json")
+                    .body(())
+                    .unwrap()
+                    .into_parts()
+                    .0;
+                parts
+                    .extensions
+                    .insert(axum::extract::OriginalUri(original.parse().unwrap()));
+                fingerprint(keys.fingerprinter(), &parts, &[CONTENT_TYPE], b"{}")
+            };
+            let plain = fp(&keys, "POST", "/a?x=1", "application/json", b"{}");
+            assert_eq!(
+                routed("/a?x=1", "/a?x=1"),
+                plain,
+                "unchanged when not rewritten"
+            );
+            assert_ne!(routed("/shops/1/a", "/a"), routed("/shops/2/a", "/a"));
+            assert_ne!(
+                routed("/signup", "/tenants/a/signup"),
+                routed("/signup", "/tenants/b/signup")
+            );
+        }
         let other = Keys::new(Some(b"another secret, 32 bytes long..."));
         assert_ne!(
             base,

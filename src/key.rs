@@ -535,12 +535,6 @@ pub(crate) fn original_target(parts: &Parts) -> &str {
     uri.path_and_query().map_or(uri.path(), |pq| pq.as_str())
 }
 
-/// The path the client sent (see [`original_target`]).
-pub(crate) fn original_path(parts: &Parts) -> &str {
-    let target = original_target(parts);
-    target.split_once('?').map_or(target, |(path, _)| path)
-}
-
 /// The path parameters the router matched, percent-decoded (collected by the layer from axum).
 #[derive(Debug, Clone)]
 pub(crate) enum PathParams {

@@ -441,8 +441,9 @@ impl IdempotencyLayerBuilder {
     }
 
     /// Whether requests without a key are refused with 400 (default) or passed through
-    /// unprotected. (A request whose body cannot hold a body key, not JSON for a `json` key,
-    /// is refused with 415 when keys are required, and is a request without a key when not.)
+    /// unprotected. (A request without a body is a request without a key, whatever its
+    /// content type; one with a body of the wrong type for a body key, not JSON for a `json`
+    /// key, is refused with 415 either way.)
     ///
     /// ```
     /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())

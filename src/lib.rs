@@ -78,11 +78,10 @@
 //!   layers its 405 fallback too, and a covered method gets the layer's answer instead.
 //!   Requests that match no route pass through either way (axum's 404).
 //! * **On, not above, a `Router::nest_service`**: axum routes a nested *service* without a
-//!   `MatchedPath`, exactly as it routes its fallback, so an outer layer cannot tell the two
-//!   apart: there it protects the requests that carry a header key (scoped by the path the
-//!   client sent) and lets the others through, keyless or with a key in their body. Put the
-//!   layer on the nested service (or use `Router::nest`, whose routes it covers) for the rest
-//!   (`key_required`, body keys, route templates).
+//!   `MatchedPath`, exactly as it routes its fallback, so a layer above cannot tell the two
+//!   apart and lets both through: put the layer on the nested service (or use `Router::nest`,
+//!   whose routes it covers). A layer inside another one (on a nested router, or service)
+//!   passes through what the outer one protects.
 //! * Keys are scoped per **route template**: under `Router::nest("/shops/{shop}", ...)` the
 //!   same key (a `key::path("id")` order id, a phone number in the body) used in two shops is
 //!   the same key with another request, refused with 422 (never replayed across them). When a

@@ -1,23 +1,21 @@
 //! Key scoping: which requests share a key, and what the store knows of it.
 //!
 //! A key is scoped to the method, the matched route (the template, e.g. `/orders/{id}/pay`, or
-//! the path the client sent when there is none) and the principal, so that one user can never replay
+//! the path when there is no router) and the principal, so that one user can never replay
 //! another user's response. The scope and the key derive, under the server secret, the store
 //! name and the record key ([`crate::secret`]): no phone number, e-mail or other raw input
 //! reaches the store.
 
 use http::request::Parts;
 
-use crate::key::{original_path, route_template};
+use crate::key::route_template;
 use crate::secret::{Derived, Keys};
 
 /// The store name and record key of `key` on this request, for `principal` (`None`: keys are
 /// global).
 pub(crate) fn derive(keys: &Keys, parts: &Parts, principal: Option<&str>, key: &str) -> Derived {
     let method = parts.method.as_str().as_bytes();
-    let route = route_template(parts)
-        .unwrap_or_else(|| original_path(parts))
-        .as_bytes();
+    let route = route_template(parts).unwrap_or(parts.uri.path()).as_bytes();
     let (scoped, who): (&[u8], &[u8]) = match principal {
         Some(who) => (b"\x01", who.as_bytes()),
         None => (b"\x00", b""),

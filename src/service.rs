@@ -69,12 +69,12 @@ impl<S> Idempotency<S> {
     }
 }
 
-/// Whether axum routed the request to a fallback (no route matched), or to a service nested
-/// with `nest_service`: axum gives neither a `MatchedPath`, and nothing public tells them
-/// apart. A keyless one passes through untouched, so an unknown path gets the router's 404,
-/// not a key rejection; one that carries a key is protected (see `carries_a_key`). (Under
+/// Whether axum routed the request to a fallback (no route matched): it passes through
+/// untouched, so an unknown path gets the router's 404, not a key rejection. (Under
 /// `Router::layer` the fallback is layered too; axum marks every request it routes with
-/// `OriginalUri`, and matched ones with `MatchedPath`.)
+/// `OriginalUri`, and matched ones with `MatchedPath`. A service nested with `nest_service`
+/// gets no `MatchedPath` either, and nothing public tells it from the fallback: the crate docs
+/// say to put the layer on the nested service.)
 fn unmatched<B>(request: &Request<B>) -> bool {
     #[cfg(feature = "axum")]
     {
@@ -89,24 +89,14 @@ fn unmatched<B>(request: &Request<B>) -> bool {
     }
 }
 
-impl<S> Idempotency<S> {
-    /// Whether the request carries a key the layer can read without its body (a header key):
-    /// a request routed without a `MatchedPath` is then protected, since it may be a nested
-    /// service's (a fallback's 404 is stored and replayed like any final answer).
-    fn carries_a_key<B>(&self, request: &Request<B>) -> bool {
-        if self.config.key.needs_body() {
-            return false;
-        }
-        let mut head = Request::new(());
-        *head.method_mut() = request.method().clone();
-        *head.uri_mut() = request.uri().clone();
-        *head.headers_mut() = request.headers().clone();
-        let (parts, ()) = head.into_parts();
-        matches!(
-            self.config.key.extract(&parts, &bytes::Bytes::new()),
-            Ok(Some(_))
-        )
-    }
+/// Whether a layer further out already protects the request (a layer on the router and one on
+/// a router nested in it): this one passes it through, instead of finding its own key held by
+/// the outer one's execution (409 for every request).
+fn protected_outside<B>(request: &Request<B>) -> bool {
+    request
+        .extensions()
+        .get::<crate::IdempotencyContext>()
+        .is_some_and(crate::IdempotencyContext::is_protected)
 }
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S>
@@ -138,7 +128,8 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let inner = self.inner.clone();
         if !self.config.methods.contains(request.method())
-            || (unmatched(&request) && !self.carries_a_key(&request))
+            || unmatched(&request)
+            || protected_outside(&request)
         {
             crate::metrics::count(crate::metrics::Event::Passthrough);
             return ResponseFuture::passthrough(inner, request.map(RequestBody::new));
