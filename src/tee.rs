@@ -100,8 +100,9 @@ pub(crate) async fn tee<B, E>(
     let status = parts.status;
     let headers = parts.headers.clone();
     // A detached execution runs at its own pace: a client that stops reading is given up after
-    // the stall timeout. A cancellable one is driven by the client's reading.
-    let stall = (!run.config.cancel_on_disconnect).then_some(run.config.stall_timeout);
+    // the stall timeout. A cancellable one is driven by the client's reading; a body not kept
+    // is never given up (see `Sink::patience`).
+    let stall = (keep && !run.config.cancel_on_disconnect).then_some(run.config.stall_timeout);
     let (mut feed, mut live) = Feed::channel(stall);
     live.storing(announced);
     // What was read goes to the client before anything waits on the store; what fits in the

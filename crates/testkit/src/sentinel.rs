@@ -98,7 +98,9 @@ impl RedisSentinel {
     }
 
     /// A group whose sentinels monitor (and name to clients) a [`FaultProxy`](crate::FaultProxy)
-    /// in front of the master, so that a test can hang the master as clients see it.
+    /// in front of the master, so that a test can hang the master as clients see it. Their own
+    /// links pass through it too: they flag the master down only after 30 s (not 2 s), so that
+    /// a fault a test injects there is the clients' alone.
     pub async fn start_behind_proxy(replicas: usize) -> Self {
         match Self::try_start_inner(replicas, true, None).await {
             Ok(group) => group,
@@ -136,6 +138,10 @@ impl RedisSentinel {
             None
         };
         let monitored = proxy.as_ref().map_or(master_port, crate::FaultProxy::port);
+        // Behind a proxy the sentinels' own links go through it too: faults injected there
+        // (a hang) must not make them flag the master down (and their clients skip it) within
+        // a test, which is about the client's view. Otherwise 2 s, for failovers in tests.
+        let down_after_ms = if proxied { 30_000 } else { 2_000 };
         let mut servers = vec![master];
         for _ in 0..replicas {
             let options = server_options
@@ -169,7 +175,7 @@ impl RedisSentinel {
                 format!(
                     "port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {}\n{tls_conf}\
                      sentinel monitor {SERVICE} 127.0.0.1 {monitored} 2\n\
-                     sentinel down-after-milliseconds {SERVICE} 2000\n\
+                     sentinel down-after-milliseconds {SERVICE} {down_after_ms}\n\
                      sentinel failover-timeout {SERVICE} 10000\n\
                      sentinel parallel-syncs {SERVICE} 1\n",
                     dir.path().display()
