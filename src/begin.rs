@@ -141,9 +141,10 @@ where
                 );
             }
             Ok(None) => return unprotected(parts, RequestBody::buffered(read)),
-            // An empty body holds no key, whatever its type: with keys optional, that is a
-            // request without one. (A body of another type may hold one: still 415.)
-            Err(Rejection::UnsupportedMediaType { .. })
+            // An empty body holds no key, whatever its type (and an empty JSON body does not
+            // parse): with keys optional, that is a request without one. (A body of another
+            // type may hold one: still 415.)
+            Err(Rejection::UnsupportedMediaType { .. } | Rejection::MalformedBody { .. })
                 if !config.key_required && read.data.is_empty() =>
             {
                 return unprotected(parts, RequestBody::buffered(read));

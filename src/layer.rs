@@ -199,6 +199,7 @@ pub(crate) struct Config {
     pub(crate) cancel_on_disconnect: bool,
     pub(crate) replay_headers: ReplayHeaders,
     pub(crate) fail_open: bool,
+    pub(crate) cover_unmatched: bool,
     pub(crate) rendering: Rendering,
 }
 
@@ -242,6 +243,7 @@ impl std::fmt::Debug for Config {
             .field("cancel_on_disconnect", &self.cancel_on_disconnect)
             .field("replay_headers", &self.replay_headers)
             .field("fail_open", &self.fail_open)
+            .field("cover_unmatched", &self.cover_unmatched)
             .field(
                 "rendering",
                 &match &self.rendering {
@@ -318,6 +320,7 @@ impl IdempotencyLayer {
             cancel_on_disconnect: false,
             replay_headers: ReplayHeaders::default_deny(),
             fail_open: false,
+            cover_unmatched: false,
             rendering: Rendering::Problem(PROBLEM_BASE.to_owned()),
         }
     }
@@ -362,6 +365,7 @@ pub struct IdempotencyLayerBuilder {
     cancel_on_disconnect: bool,
     replay_headers: ReplayHeaders,
     fail_open: bool,
+    cover_unmatched: bool,
     rendering: Rendering,
 }
 
@@ -552,8 +556,11 @@ impl IdempotencyLayerBuilder {
     /// 16 KiB in that time, about 550 bytes/s at the default), the response is no longer sent
     /// to it (if it ever reads on, its body breaks off: over HTTP/1.0, whose bodies end with
     /// the connection, it cannot tell) and the execution goes on at the handler's pace, storing
-    /// the outcome for its retry. A body that is not kept (`KeepBody::No`, over the record
-    /// limit) cannot be replayed, so its client is never given up. Not with
+    /// the outcome for its retry. A body that is not kept cannot be replayed, so its client is
+    /// not given up: opted out (`KeepBody::No`), announced (`content-length`) over the record
+    /// limit, or from the frame that takes a chunked body over it (before that frame, the
+    /// layer cannot know: a chunked body that goes over the limit later can have a stalled
+    /// client given up, and its retry gets 410). Not with
     /// [`cancel_on_disconnect`](Self::cancel_on_disconnect), where the client's reading drives
     /// the execution (a stalled client holds the key as long as its connection lives).
     ///
@@ -803,6 +810,30 @@ impl IdempotencyLayerBuilder {
         self
     }
 
+    /// Whether requests axum routed to no route are covered too (default `false`: they pass
+    /// through, so an unknown path gets the router's 404, not a key rejection). axum routes a
+    /// request without a `MatchedPath` to its fallback, and to a service nested with
+    /// `Router::nest_service`, and nothing public tells the two apart: a layer wrapping such a
+    /// service itself (a `service_fn`, a tonic service, anything but a `Router` with the layer
+    /// on its routes) sees every request as unmatched, and must cover them.
+    ///
+    /// ```
+    /// use tower::Layer;
+    /// let layer = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .global_keys()
+    ///     .cover_unmatched(true)
+    ///     .build()
+    ///     .unwrap();
+    /// let hooks = layer.layer(tower::service_fn(|_req: http::Request<tower_idempotency::RequestBody<axum::body::Body>>| async {
+    ///     Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::empty()))
+    /// }));
+    /// let app: axum::Router = axum::Router::new().nest_service("/hooks", hooks);
+    /// ```
+    pub fn cover_unmatched(mut self, cover: bool) -> Self {
+        self.cover_unmatched = cover;
+        self
+    }
+
     /// When the store cannot be reached: `false` (default) answers 503 with `Retry-After` and
     /// does not run the handler; `true` runs the handler unprotected, and says so in a warning
     /// log, the `fail_open` metric and [`IdempotencyContext::is_protected`](crate::IdempotencyContext::is_protected).
@@ -960,6 +991,7 @@ impl IdempotencyLayerBuilder {
                 cancel_on_disconnect: self.cancel_on_disconnect,
                 replay_headers: self.replay_headers,
                 fail_open: self.fail_open,
+                cover_unmatched: self.cover_unmatched,
                 rendering: self.rendering,
             }),
         })

@@ -79,9 +79,11 @@
 //!   Requests that match no route pass through either way (axum's 404).
 //! * **On, not above, a `Router::nest_service`**: axum routes a nested *service* without a
 //!   `MatchedPath`, exactly as it routes its fallback, so a layer above cannot tell the two
-//!   apart and lets both through: put the layer on the nested service (or use `Router::nest`,
-//!   whose routes it covers). A layer inside another one (on a nested router, or service)
-//!   passes through what the outer one protects.
+//!   apart and lets both through: put the layer on the nested service (a `Router` with the
+//!   layer on its routes; around any other service, build it with
+//!   [`cover_unmatched`](IdempotencyLayerBuilder::cover_unmatched)), or use `Router::nest`,
+//!   whose routes an outer layer covers. A layer inside another one passes through what the
+//!   outer one protects.
 //! * Keys are scoped per **route template**: under `Router::nest("/shops/{shop}", ...)` the
 //!   same key (a `key::path("id")` order id, a phone number in the body) used in two shops is
 //!   the same key with another request, refused with 422 (never replayed across them). When a

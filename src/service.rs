@@ -73,8 +73,8 @@ impl<S> Idempotency<S> {
 /// untouched, so an unknown path gets the router's 404, not a key rejection. (Under
 /// `Router::layer` the fallback is layered too; axum marks every request it routes with
 /// `OriginalUri`, and matched ones with `MatchedPath`. A service nested with `nest_service`
-/// gets no `MatchedPath` either, and nothing public tells it from the fallback: the crate docs
-/// say to put the layer on the nested service.)
+/// gets no `MatchedPath` either, and nothing public tells it from the fallback: a layer that
+/// wraps such a service itself is built with `cover_unmatched`.)
 fn unmatched<B>(request: &Request<B>) -> bool {
     #[cfg(feature = "axum")]
     {
@@ -128,7 +128,7 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let inner = self.inner.clone();
         if !self.config.methods.contains(request.method())
-            || unmatched(&request)
+            || (unmatched(&request) && !self.config.cover_unmatched)
             || protected_outside(&request)
         {
             crate::metrics::count(crate::metrics::Event::Passthrough);

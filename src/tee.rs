@@ -16,6 +16,7 @@
 //!   such a response); one longer than announced is cut there, as a server cuts it
 //!   ([`Announced`]).
 
+use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::pin::{Pin, pin};
 use std::task::{Context, Poll};
@@ -100,22 +101,24 @@ pub(crate) async fn tee<B, E>(
     let status = parts.status;
     let headers = parts.headers.clone();
     // A detached execution runs at its own pace: a client that stops reading is given up after
-    // the stall timeout. A cancellable one is driven by the client's reading; a body not kept
-    // is never given up (see `Sink::patience`).
-    let stall = (keep && !run.config.cancel_on_disconnect).then_some(run.config.stall_timeout);
+    // the stall timeout. A cancellable one is driven by the client's reading; a body that will
+    // not be kept (opted out, or announced over the record limit) is never given up (see
+    // `Sink::patience`).
+    let limit = run.config.record_limit as u64;
+    let patient = !keep || announced.is_some_and(|len| len > limit);
+    let stall = (!patient && !run.config.cancel_on_disconnect).then_some(run.config.stall_timeout);
     let (mut feed, mut live) = Feed::channel(stall);
     live.storing(announced);
     // What was read goes to the client before anything waits on the store; what fits in the
     // feed is queued before the head is handed over, so that the client's first read of the
     // body finds it (the head and the first frames leave in one write, as without the layer).
-    let mut queued = 0;
-    for frame in &early {
-        if let Some(message) = copy(frame)
-            && feed.try_send(message).is_err()
-        {
+    let mut to_client: VecDeque<Message> = early.iter().flat_map(pieces).collect();
+    while let Some(message) = to_client.pop_front() {
+        if let Err(message) = feed.try_send(message) {
+            // No room: sent once the head is handed over.
+            to_client.push_front(message);
             break;
         }
-        queued += 1;
     }
     let _ = reply.send(Finished::Response(Response::from_parts(parts, live)));
     // Let the task that polled for the head hand it over before this execution goes on: a
@@ -129,14 +132,15 @@ pub(crate) async fn tee<B, E>(
     if !run.config.cancel_on_disconnect {
         tokio::task::yield_now().await;
     }
-    for frame in &early[queued..] {
-        forward(&mut feed, frame).await;
+    for message in to_client {
+        if !feed.send(message).await {
+            break;
+        }
     }
     let mut sink = Sink::open(&run, status, &headers, keep).await;
     for frame in early {
         sink.add(&run, frame).await;
     }
-    sink.patience(&mut feed);
     let mut failed: Option<BoxError> = failed;
     while failed.is_none() {
         let next = match poll_now(body.as_mut()).await {
@@ -158,9 +162,9 @@ pub(crate) async fn tee<B, E>(
         match next {
             None => break,
             Some(Ok(frame)) => {
+                sink.patience(&frame, &mut feed);
                 forward(&mut feed, &frame).await;
                 sink.add(&run, frame).await;
-                sink.patience(&mut feed);
             }
             Some(Err(error)) => failed = Some(error),
         }
@@ -178,31 +182,33 @@ pub(crate) async fn tee<B, E>(
     }
 }
 
-/// Sends a frame to the client (a copy of its handle: the data is shared), its data in pieces
-/// of at most [`PIECE`] bytes.
+/// Sends a frame to the client, in [`pieces`].
 async fn forward(feed: &mut Feed, frame: &Frame<Bytes>) {
-    if let Some(data) = frame.data_ref() {
-        let mut data = data.clone();
-        while data.len() > PIECE {
-            let piece = data.split_to(PIECE);
-            if !feed.send(Message::Frame(Frame::data(piece))).await {
-                return;
-            }
+    for piece in pieces(frame) {
+        if !feed.send(piece).await {
+            return;
         }
-        feed.send(Message::Frame(Frame::data(data))).await;
-    } else if let Some(message) = copy(frame) {
-        feed.send(message).await;
     }
 }
 
-/// A frame for the client (the data shares its bytes with the frame kept for the store).
-fn copy(frame: &Frame<Bytes>) -> Option<Message> {
-    let copy = match (frame.data_ref(), frame.trailers_ref()) {
-        (Some(data), _) => Frame::data(data.clone()),
-        (None, Some(trailers)) => Frame::trailers(trailers.clone()),
-        (None, None) => return None,
-    };
-    Some(Message::Frame(copy))
+/// A frame for the client (its data shares its bytes with the frame kept for the store), its
+/// data in pieces of at most [`PIECE`] bytes.
+fn pieces(frame: &Frame<Bytes>) -> impl Iterator<Item = Message> + use<> {
+    let mut data = frame.data_ref().cloned();
+    let mut trailers = frame.trailers_ref().cloned();
+    let mut first = true;
+    std::iter::from_fn(move || {
+        if let Some(rest) = &mut data {
+            // An empty data frame goes as it is, once.
+            if rest.is_empty() && !first {
+                return None;
+            }
+            first = false;
+            let piece = rest.split_to(rest.len().min(PIECE));
+            return Some(Message::Frame(Frame::data(piece)));
+        }
+        trailers.take().map(|t| Message::Frame(Frame::trailers(t)))
+    })
 }
 
 /// Where the body goes for the record.
@@ -258,10 +264,12 @@ impl Sink {
     }
 
     /// A body no longer kept cannot be replayed: giving its client up would only leave it
-    /// without the response (its retry gets 410), so it is then sent as slowly as the client
-    /// reads, with no stall timeout.
-    fn patience(&self, feed: &mut Feed) {
-        if matches!(self.mode, Mode::Dropped) {
+    /// without the response (its retry gets 410), so from the frame that puts it over the
+    /// record limit (or after an append failed) it is sent as slowly as the client reads, with
+    /// no stall timeout.
+    fn patience(&self, frame: &Frame<Bytes>, feed: &mut Feed) {
+        let len = frame.data_ref().map_or(0, |d| d.len() as u64);
+        if matches!(self.mode, Mode::Dropped) || self.len + len > self.limit {
             feed.wait_for_the_client();
         }
     }

@@ -361,8 +361,6 @@ async fn forged_swapped_and_old_records_are_refused() {
     assert_eq!(other_probe.runs(), 1);
 }
 
-/// The lease is taken away while the handler runs: its completion is refused, so a retry runs
-/// the handler again instead of replaying an outcome stored without a lease.
 /// A streamed record whose parts are gone while its state says it is done (Redis evicted one
 /// of its keys, or they expired a moment apart) is reported, never a reason to run the handler
 /// again: not even with `fail_open`, which is for a store that does not answer (before, the
@@ -442,6 +440,8 @@ async fn a_retry_right_after_a_streamed_response_gets_the_replay() {
     proxy.delay_replies(Duration::ZERO);
 }
 
+/// The lease is taken away while the handler runs: its completion is refused, so a retry runs
+/// the handler again instead of replaying an outcome stored without a lease.
 #[tokio::test]
 async fn a_lease_taken_away_mid_handler_is_not_completed() {
     let server = RedisServer::start().await;

@@ -154,7 +154,14 @@ async fn a_body_key_that_cannot_be_there_is_no_key() {
     let bodiless = || Request::post("/pay").body(Body::empty()).unwrap();
     let optional = send(&app(false), bodiless()).await;
     assert_eq!(optional.status, StatusCode::CREATED, "{optional:?}");
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // Also when it says it is JSON (an empty body does not parse as JSON).
+    let empty_json = Request::post("/pay")
+        .header("content-type", "application/json")
+        .body(Body::empty())
+        .unwrap();
+    let empty_json = send(&app(false), empty_json).await;
+    assert_eq!(empty_json.status, StatusCode::CREATED, "{empty_json:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
     let required = send(&app(true), bodiless()).await;
     assert_eq!(
         required.status,
@@ -169,7 +176,7 @@ async fn a_body_key_that_cannot_be_there_is_no_key() {
         .unwrap();
     let text = send(&app(false), text).await;
     assert_eq!(text.status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{text:?}");
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
 /// The layer on a router and on a router (or service) nested in it, sharing a store: the
@@ -196,6 +203,42 @@ async fn a_layer_inside_another_passes_protected_requests_through() {
         assert!(again.replayed(), "{path}: {again:?}");
     }
     assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// A layer wrapping a plain service nested with `nest_service`: axum routes every request to
+/// it without a `MatchedPath`, as to a fallback, so by default the layer passes them all
+/// through (the second delivery ran again); built with `cover_unmatched`, it protects them.
+#[tokio::test]
+async fn a_layer_around_a_nested_service_covers_it_when_told_to() {
+    use tower::Layer;
+    for cover in [false, true] {
+        let store = Store::memory();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let counter = runs.clone();
+        let hooks = tower::service_fn(move |_: Request<tower_idempotency::RequestBody<Body>>| {
+            let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                Ok::<_, std::convert::Infallible>(
+                    axum::http::Response::builder()
+                        .status(StatusCode::CREATED)
+                        .body(Body::from(format!("run {n}")))
+                        .unwrap(),
+                )
+            }
+        });
+        let layer = builder(&store)
+            .global_keys()
+            .cover_unmatched(cover)
+            .build()
+            .unwrap();
+        let app = Router::new().nest_service("/hooks", layer.layer(hooks));
+        let first = send(&app, post_req("/hooks/stripe", Some("evt_1"), "{}")).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        let again = send(&app, post_req("/hooks/stripe", Some("evt_1"), "{}")).await;
+        let expected_runs = if cover { 1 } else { 2 };
+        assert_eq!(again.replayed(), cover, "cover {cover}: {again:?}");
+        assert_eq!(runs.load(Ordering::SeqCst), expected_runs, "cover {cover}");
+    }
 }
 
 /// With `Router::layer` the fallback is layered too: requests that matched no route pass

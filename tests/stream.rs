@@ -357,50 +357,63 @@ async fn a_client_that_stops_reading_does_not_hold_the_key(s: TestStore) {
     );
 }
 
-/// A body not kept cannot be replayed: its client, however long it pauses, is never given up
-/// (its retry would get 410, and it would have nothing). A client that stops reading for three
-/// times the stall timeout, then reads on, gets the whole response (it broke off when the stall
-/// timeout applied to it).
+/// A body that will not be kept cannot be replayed: its client, however long it pauses, is
+/// never given up (its retry would get 410, and it would have nothing). Opted out
+/// (`KeepBody::No`), or announced (`content-length`) over the record limit: a client that stops
+/// reading for three times the stall timeout, then reads on, gets the whole response (it broke
+/// off at about 3 MB when the stall timeout applied to it).
 async fn a_client_pausing_on_a_body_not_kept_gets_it_all(s: TestStore) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     const MIB: usize = 16;
     let t = Tokens::new(true);
     let app = app(&s, &t, |b| {
+        // A limit above what the buffers between the execution and a paused client hold
+        // (about 3 MB here): the client is paused long before the body crosses it.
         b.chunk_size(64 * 1024)
+            .record_limit(8 << 20)
             .stall_timeout(Duration::from_millis(300))
     });
     let (addr, _server) = support::serve(app).await;
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.set_recv_buffer_size(4096).unwrap();
-    let mut paused = socket.connect(addr).await.unwrap();
-    paused
-        .write_all(
-            format!(
-                "POST /download?mib={MIB}&not_kept=true HTTP/1.1\r\nhost: x\r\nidempotency-key: pause\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+    for (query, key, end) in [
+        ("not_kept=true", "pause-opted-out", &b"\r\n0\r\n\r\n"[..]),
+        ("length=true", "pause-over-limit", &b"xxxx"[..]),
+    ] {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let mut paused = socket.connect(addr).await.unwrap();
+        paused
+            .write_all(
+                format!(
+                    "POST /download?mib={MIB}&{query} HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                )
+                .as_bytes(),
             )
-            .as_bytes(),
+            .await
+            .unwrap();
+        let mut received = vec![0u8; 1024];
+        let n = within("the head on the socket", paused.read(&mut received))
+            .await
+            .unwrap();
+        received.truncate(n);
+        assert!(received.starts_with(b"HTTP/1.1 200"), "{query}");
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        within(
+            "the rest, to the connection's end",
+            paused.read_to_end(&mut received),
         )
         .await
         .unwrap();
-    let mut received = vec![0u8; 1024];
-    let n = within("the head on the socket", paused.read(&mut received))
-        .await
-        .unwrap();
-    received.truncate(n);
-    assert!(received.starts_with(b"HTTP/1.1 200"));
-    tokio::time::sleep(Duration::from_millis(900)).await;
-    within(
-        "the rest, to the connection's end",
-        paused.read_to_end(&mut received),
-    )
-    .await
-    .unwrap();
-    assert!(received.len() > MIB << 20, "{} bytes", received.len());
-    assert!(
-        received.ends_with(b"\r\n0\r\n\r\n"),
-        "the chunked body broke off before its end"
-    );
-    assert_eq!(t.runs(), 1);
+        assert!(
+            received.len() > MIB << 20,
+            "{query}: {} bytes",
+            received.len()
+        );
+        assert!(
+            received.ends_with(end),
+            "{query}: the body broke off before its end"
+        );
+    }
+    assert_eq!(t.runs(), 2);
 }
 
 both_stores!(

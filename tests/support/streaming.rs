@@ -132,6 +132,11 @@ async fn download(State(t): State<Tokens>, Query(q): Query<DownloadQuery>) -> Re
     if q.not_kept {
         response.extensions_mut().insert(KeepBody::No);
     }
+    if q.length {
+        response
+            .headers_mut()
+            .insert(http::header::CONTENT_LENGTH, (q.mib << 20).into());
+    }
     response
 }
 
@@ -140,6 +145,9 @@ pub struct DownloadQuery {
     mib: usize,
     #[serde(default)]
     not_kept: bool,
+    /// Announce the length (`content-length`) instead of a chunked body.
+    #[serde(default)]
+    length: bool,
 }
 
 pub fn app(

@@ -232,11 +232,12 @@ async fn replicated(test: &str) -> Replicated {
 }
 
 /// A completion that ran but whose reply was lost, retried on a new connection with the
-/// replica check on: the retry finds the record already stored and writes nothing, so its
-/// `WAIT` is all that stands between a record on the master alone and a success. Redis (7.0,
-/// and Valkey 9) answers a `WAIT` on a connection that wrote nothing against the master's
-/// current offset, so a frozen replica is not counted: the completion fails its replica check
-/// (with the record not on the replica, a failover could lose it) instead of succeeding.
+/// replica check on: the retry finds the record already stored, so its `WAIT` is all that
+/// stands between a record on the master alone and a success. Valkey 9 answers a `WAIT` on a
+/// connection that wrote nothing at once, counting a frozen replica (Redis 7.0 answers it
+/// against the master's offset): the completion passed its check there with the record on the
+/// master alone. The retry now refreshes the record's retention, a write the replica must
+/// acknowledge, which it can only do after the record: the completion fails its check.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retried_completion_is_checked_on_the_replicas() {
     let Replicated {
@@ -247,13 +248,20 @@ async fn a_retried_completion_is_checked_on_the_replicas() {
         mut m,
     } = replicated("wait-complete").await;
     let once = client.once("evt").unwrap();
-    // Taken while the replica answers (on a loaded machine it may take longer than the check's
-    // 200 ms: the failed check released the lock, so try again, within a deadline).
+    // Taken while the replica answers. On a loaded machine the check's 200 ms (or the 600 ms
+    // command timeout) may not be enough: a failed attempt releases (or cleans up) what it
+    // took, so try again, within a deadline.
     let deadline = Instant::now() + Duration::from_secs(10);
     let guard = loop {
-        match once.begin("tag").await {
+        let attempt = once.begin_wait("tag", ms(500)).await;
+        match attempt {
             Ok(Begin::Acquired(guard)) => break guard,
-            Err(LockError::NotReplicated { .. }) if Instant::now() < deadline => {
+            Err(LockError::NotReplicated { .. }) | Ok(Begin::InFlight { .. })
+                if Instant::now() < deadline =>
+            {
+                tokio::time::sleep(ms(50)).await;
+            }
+            Err(e) if e.is_unavailable() && Instant::now() < deadline => {
                 tokio::time::sleep(ms(50)).await;
             }
             other => panic!("the lock, with the replica answering: {other:?}"),
