@@ -13,7 +13,8 @@ fn field(mac: &mut FingerprintMac, bytes: &[u8]) {
 }
 
 /// HMAC-SHA256 (under the fingerprint key derived from the server secret) of the method, path
-/// and query (as the client sent them, and as routed), the chosen headers (all their values, in order) and the body.
+/// and query (as the client sent them, and as routed), the chosen headers (all their values,
+/// in order) and the body.
 pub(crate) fn fingerprint(
     mut mac: FingerprintMac,
     parts: &Parts,
@@ -27,10 +28,7 @@ pub(crate) fn fingerprint(
     // routed path starts with '/', a header name (the next field otherwise) never does.
     let sent = crate::key::original_target(parts);
     field(&mut mac, sent.as_bytes());
-    let routed = parts
-        .uri
-        .path_and_query()
-        .map_or(parts.uri.path(), |pq| pq.as_str());
+    let routed = crate::key::target(&parts.uri);
     if routed != sent {
         field(&mut mac, routed.as_bytes());
     }

@@ -532,6 +532,11 @@ pub(crate) fn original_target(parts: &Parts) -> &str {
         .map_or(&parts.uri, |original| &original.0);
     #[cfg(not(feature = "axum"))]
     let uri = &parts.uri;
+    target(uri)
+}
+
+/// The path and query of `uri` (the path alone when it has no query).
+pub(crate) fn target(uri: &http::Uri) -> &str {
     uri.path_and_query().map_or(uri.path(), |pq| pq.as_str())
 }
 

@@ -287,6 +287,32 @@ async fn trailers_over_a_socket(s: TestStore, http2: bool) {
     assert_eq!(t.runs(), 1, "the handler ran again");
 }
 
+/// A raw HTTP/1.1 `POST` of `target` with idempotency key `key` (and `extra` header lines)
+/// from a socket with a small receive window, so that the server's buffers fill after a few
+/// MiB: the socket, and what it read up to the response's head (a 200).
+async fn small_window_post(
+    addr: std::net::SocketAddr,
+    target: &str,
+    key: &str,
+    extra: &str,
+) -> (tokio::net::TcpStream, Vec<u8>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stream = socket.connect(addr).await.unwrap();
+    let request = format!(
+        "POST {target} HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\ncontent-length: 0\r\n{extra}\r\n"
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut head = vec![0u8; 1024];
+    let n = within("the head on the socket", stream.read(&mut head))
+        .await
+        .unwrap();
+    head.truncate(n);
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{target}: {head:?}");
+    (stream, head)
+}
+
 /// A client that stops reading a large streamed response without closing its connection (a
 /// phone that lost its network: the server's TCP retransmits for many minutes) must not hold the
 /// execution, and with it the key, for as long as its connection lives: once a frame has waited
@@ -295,7 +321,7 @@ async fn trailers_over_a_socket(s: TestStore, http2: bool) {
 /// the whole response. (Fails with the timeout out of reach: the execution waits on the first
 /// client, and the retry follows it no further than where it stopped.)
 async fn a_client_that_stops_reading_does_not_hold_the_key(s: TestStore) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncReadExt;
     const MIB: usize = 16;
     let t = Tokens::new(true);
     let app = app(&s, &t, |b| {
@@ -303,28 +329,8 @@ async fn a_client_that_stops_reading_does_not_hold_the_key(s: TestStore) {
             .stall_timeout(Duration::from_millis(300))
     });
     let (addr, _server) = support::serve(app).await;
-    // A small receive window, so that the server's buffers fill after a few MiB.
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.set_recv_buffer_size(4096).unwrap();
-    let mut stalled = socket.connect(addr).await.unwrap();
-    stalled
-        .write_all(
-            format!(
-                "POST /download?mib={MIB} HTTP/1.1\r\nhost: x\r\nidempotency-key: stall\r\ncontent-length: 0\r\n\r\n"
-            )
-            .as_bytes(),
-        )
-        .await
-        .unwrap();
-    let mut head = [0u8; 1024];
-    let n = within("the head on the socket", stalled.read(&mut head))
-        .await
-        .unwrap();
-    assert!(
-        n > 0 && head.starts_with(b"HTTP/1.1 200"),
-        "{:?}",
-        &head[..n]
-    );
+    let (mut stalled, _) =
+        small_window_post(addr, &format!("/download?mib={MIB}"), "stall", "").await;
     // From here on the first client reads nothing, and keeps its connection open.
     let client = support::client();
     let mut retry = request(&format!("/download?mib={MIB}"), "stall");
@@ -363,7 +369,7 @@ async fn a_client_that_stops_reading_does_not_hold_the_key(s: TestStore) {
 /// reading for three times the stall timeout, then reads on, gets the whole response (it broke
 /// off at about 3 MB when the stall timeout applied to it).
 async fn a_client_pausing_on_a_body_not_kept_gets_it_all(s: TestStore) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncReadExt;
     const MIB: usize = 16;
     let t = Tokens::new(true);
     let app = app(&s, &t, |b| {
@@ -378,24 +384,9 @@ async fn a_client_pausing_on_a_body_not_kept_gets_it_all(s: TestStore) {
         ("not_kept=true", "pause-opted-out", &b"\r\n0\r\n\r\n"[..]),
         ("length=true", "pause-over-limit", &b"xxxx"[..]),
     ] {
-        let socket = tokio::net::TcpSocket::new_v4().unwrap();
-        socket.set_recv_buffer_size(4096).unwrap();
-        let mut paused = socket.connect(addr).await.unwrap();
-        paused
-            .write_all(
-                format!(
-                    "POST /download?mib={MIB}&{query} HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-                )
-                .as_bytes(),
-            )
-            .await
-            .unwrap();
-        let mut received = vec![0u8; 1024];
-        let n = within("the head on the socket", paused.read(&mut received))
-            .await
-            .unwrap();
-        received.truncate(n);
-        assert!(received.starts_with(b"HTTP/1.1 200"), "{query}");
+        let target = format!("/download?mib={MIB}&{query}");
+        let (mut paused, mut received) =
+            small_window_post(addr, &target, key, "connection: close\r\n").await;
         tokio::time::sleep(Duration::from_millis(900)).await;
         within(
             "the rest, to the connection's end",

@@ -604,7 +604,7 @@ impl Once {
         tag: impl Into<Bytes>,
         wait: Duration,
     ) -> Result<Begin, LockError> {
-        self.begin_within(tag.into(), wait, true).await
+        self.begin_with(tag.into(), Some(wait), true).await
     }
 
     /// Like [`begin_wait`](Once::begin_wait), but waits through a streamed record's parts for
@@ -635,25 +635,18 @@ impl Once {
         tag: impl Into<Bytes>,
         wait: Duration,
     ) -> Result<Begin, LockError> {
-        self.begin_within(tag.into(), wait, false).await
+        self.begin_with(tag.into(), Some(wait), false).await
     }
 
-    async fn begin_within(
-        &self,
-        tag: Bytes,
-        wait: Duration,
-        follow: bool,
-    ) -> Result<Begin, LockError> {
-        let deadline = crate::clock::after(crate::clock::now(), wait);
-        self.begin_with(tag, Some(deadline), follow).await
-    }
-
+    /// Begins, waiting up to `wait` (if any) while someone is in flight; `follow`: whether
+    /// their first part ends the wait.
     async fn begin_with(
         &self,
         tag: Bytes,
-        deadline: Option<Instant>,
+        wait: Option<Duration>,
         follow: bool,
     ) -> Result<Begin, LockError> {
+        let deadline = wait.map(|wait| crate::clock::after(crate::clock::now(), wait));
         let mut op = Op {
             name: self.name.clone(),
             token: Token::random(),
