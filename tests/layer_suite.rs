@@ -975,6 +975,24 @@ async fn a_full_memory_store_evicts_outcomes_never_requests_in_flight() {
         "room once they are stored: {c:?}"
     );
 
+    // A record the store cannot hold even empty (a 6 KB response, a 4 KiB budget) evicts no
+    // stored outcome on its way to being refused (before: every one went first, and each of
+    // their retries ran its handler again).
+    let store =
+        tower_idempotency::Store::memory_with(distlock::MemoryLimits::new(100, 4096).unwrap());
+    let (svc, probe) = app(&store, |b| b);
+    for key in ["a", "b", "c"] {
+        let reply = send(&svc, post_key("/things", key, "{}")).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    }
+    let big = send(&svc, post_key("/big", "big", "")).await;
+    assert_eq!(big.status, StatusCode::OK, "the client gets it: {big:?}");
+    for key in ["a", "b", "c"] {
+        let again = send(&svc, post_key("/things", key, "{}")).await;
+        assert!(again.replayed(), "{key} kept: {again:?}");
+        assert_eq!(probe.runs_of(key), 1, "{key} ran once");
+    }
+
     // Eviction order, on a store of three entries: the oldest stored outcome goes first.
     let store =
         tower_idempotency::Store::memory_with(distlock::MemoryLimits::new(3, 1 << 20).unwrap());

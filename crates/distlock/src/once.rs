@@ -449,9 +449,13 @@ impl Parts {
 pub struct Once {
     client: LockClient,
     name: LockName,
-    retention: Duration,
+    /// The retention, if set with [`Once::retention`]; else the default (at least the lease).
+    retention: Option<Duration>,
     config: Arc<LockConfig>,
 }
+
+/// The default record retention, raised to the lease when that is longer.
+const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 3600);
 
 /// What [`Once::begin`] found.
 #[derive(Debug)]
@@ -483,12 +487,13 @@ impl Once {
         Once {
             client,
             name,
-            retention: Duration::from_secs(24 * 3600),
+            retention: None,
             config,
         }
     }
 
-    /// How long a completion record is kept (default 24 hours). It must be at least the lease.
+    /// How long a completion record is kept (default 24 hours, or the lease if longer). It must
+    /// be at least the lease.
     ///
     /// ```
     /// use std::time::Duration;
@@ -515,7 +520,7 @@ impl Once {
                 ),
             ));
         }
-        self.retention = retention;
+        self.retention = Some(retention);
         Ok(self)
     }
 
@@ -527,6 +532,7 @@ impl Once {
     /// ```
     pub fn retention_period(&self) -> Duration {
         self.retention
+            .unwrap_or_else(|| DEFAULT_RETENTION.max(self.config.lease()))
     }
 
     /// The same run-once lock with other timing (the retention must still cover the lease).
@@ -541,8 +547,10 @@ impl Once {
     pub fn with_config(mut self, config: LockConfig) -> Result<Self, ConfigError> {
         self.client.backend().check_config(&config)?;
         self.config = Arc::new(config);
-        let retention = self.retention;
-        self.retention(retention)
+        match self.retention {
+            Some(retention) => self.retention(retention),
+            None => Ok(self),
+        }
     }
 
     /// The name and keys.
@@ -656,7 +664,7 @@ impl Once {
             state_ttl: None,
             mode: Mode::Once {
                 tag,
-                retention: self.retention,
+                retention: self.retention_period(),
             },
         };
         let backend = self.client.backend();
@@ -1227,6 +1235,31 @@ impl OnceGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A client whose lease is longer than the default retention gets a retention as long as
+    /// its lease (before: 24 hours whatever the lease, so the state of a record still being
+    /// written could expire while its holder held the lock; `retention()` refused such a
+    /// value, the default was never checked).
+    #[test]
+    fn the_default_retention_is_never_shorter_than_the_lease() {
+        let lease = Duration::from_secs(30 * 3600);
+        let config = LockConfig::builder()
+            .lease(lease)
+            .watchdog(false)
+            .build()
+            .unwrap();
+        let client = LockClient::builder()
+            .config(config)
+            .memory(crate::MemoryLimits::default());
+        let once = client.once("long").unwrap();
+        assert!(
+            once.retention_period() >= lease,
+            "{:?} against a lease of {lease:?}",
+            once.retention_period()
+        );
+        let short = LockClient::memory().once("short").unwrap();
+        assert_eq!(short.retention_period(), Duration::from_secs(86_400));
+    }
 
     /// A part (or whole record) above the limit is refused before anything is sent, with an
     /// error and no panic; the guard stays usable after a refused append.

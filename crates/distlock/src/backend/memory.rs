@@ -26,8 +26,9 @@ use crate::{ConfigError, LockError, LockName, OwnerId, Token};
 /// When a new entry would exceed a bound, expired entries go first, then run-once state (records
 /// kept for their retention, tags of locks no longer held) in order of expiry, with a warning;
 /// held locks are never evicted. Fencing counters take no room (one counter serves the whole
-/// store). If nothing can be evicted (every entry is a held lock, or a record is larger than the
-/// byte budget) the operation fails with [`LockError::Capacity`].
+/// store). If evicting cannot make the room (every entry is a held lock, or a record is larger
+/// than what eviction could free) the operation fails with [`LockError::Capacity`], having
+/// evicted nothing; and making room for a name never evicts that name's own state.
 ///
 /// ```
 /// let limits = distlock::MemoryLimits::new(10_000, 16 << 20)?;
@@ -172,6 +173,8 @@ struct Indexed {
     lock: Option<At>,
     /// Its key in [`Store::idle`] (no lock) or [`Store::busy`] (under a lock).
     state: Option<(At, Place)>,
+    /// What it counts for in [`Store::evictable`]: its slots and bytes while idle.
+    evictable: (usize, usize),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -239,6 +242,8 @@ struct Store {
     /// The last fencing token handed out, by any lock of the store.
     fence: u64,
     bytes: usize,
+    /// Slots and bytes of the idle entries: what eviction could free at most.
+    evictable: (usize, usize),
     evicted: u64,
     /// When eviction was last logged (one warning a minute, with the count).
     warned: Option<Instant>,
@@ -271,6 +276,15 @@ impl Store {
         let after = (entry.slots(), entry.bytes());
         self.slots = self.slots + after.0 - before.0;
         self.bytes = self.bytes + after.1 - before.1;
+        // An entry is idle (evictable whole) when it holds a state and no lock.
+        let evictable = if entry.lock.is_none() && entry.state.is_some() {
+            after
+        } else {
+            (0, 0)
+        };
+        let counted = std::mem::replace(&mut entry.indexed.evictable, evictable);
+        self.evictable.0 = self.evictable.0 + evictable.0 - counted.0;
+        self.evictable.1 = self.evictable.1 + evictable.1 - counted.1;
 
         let want = entry.lock.as_ref().map(|l| l.expires);
         if entry.indexed.lock.map(|(at, _)| at) != want {
@@ -352,12 +366,14 @@ impl Store {
     }
 
     /// Makes room for `slots` more locks or states and `bytes` more bytes, evicting idle state
-    /// in order of expiry. Returns false if that is not possible.
+    /// in order of expiry, never the state of `keep` (the entry the room is for). Returns false,
+    /// having evicted nothing, if even evicting every other idle state would not make the room.
     fn make_room(
         &mut self,
         limits: &MemoryLimits,
         slots: usize,
         bytes: usize,
+        keep: &str,
         now: Instant,
     ) -> bool {
         let fits = |s: &Store| {
@@ -367,8 +383,27 @@ impl Store {
             return true;
         }
         self.sweep(now);
+        let kept = self
+            .entries
+            .get(keep)
+            .map_or((0, 0), |e| e.indexed.evictable);
+        let free_slots = self.evictable.0.saturating_sub(kept.0);
+        let free_bytes = self.evictable.1.saturating_sub(kept.1);
+        if self.slots.saturating_sub(free_slots) + slots > limits.max_entries
+            || self.bytes.saturating_sub(free_bytes) + bytes > limits.max_bytes
+        {
+            return false;
+        }
         while !fits(self) {
-            let Some((_, key)) = self.idle.pop_first() else {
+            let Some(at) = self
+                .idle
+                .iter()
+                .find(|(_, key)| &***key != keep)
+                .map(|(at, _)| *at)
+            else {
+                break;
+            };
+            let Some(key) = self.idle.remove(&at) else {
                 break;
             };
             let before = self.footprint(&key);
@@ -494,7 +529,7 @@ impl MemoryBackend {
         let new_slots = 1 + usize::from(once && !has_state);
         let new_bytes =
             if before.0 == 0 { key.len() } else { 0 } + tag.as_ref().map_or(0, Bytes::len);
-        if !store.make_room(&self.limits, new_slots, new_bytes, now) {
+        if !store.make_room(&self.limits, new_slots, new_bytes, key, now) {
             return Err(capacity(op, &store));
         }
         let before = store.footprint(key);
@@ -638,7 +673,7 @@ impl MemoryBackend {
             .state
             .as_ref()
             .map_or(0, |s| s.tag.as_ref().map_or(0, Bytes::len));
-        if !store.make_room(&self.limits, 0, record.len().saturating_sub(old), now) {
+        if !store.make_room(&self.limits, 0, record.len().saturating_sub(old), &key, now) {
             return Err(capacity(op, &store));
         }
         let ttl = state_ttl(op);
@@ -686,7 +721,7 @@ impl MemoryBackend {
         } else {
             return Ok(Appended::Mismatch { len });
         };
-        if push && !store.make_room(&self.limits, 0, part.len(), now) {
+        if push && !store.make_room(&self.limits, 0, part.len(), &key, now) {
             return Err(capacity(op, &store));
         }
         let entry = store
@@ -777,6 +812,18 @@ impl MemoryBackend {
     fn indexed(&self) -> usize {
         let s = self.store();
         s.locks.len() + s.idle.len() + s.busy.len()
+    }
+
+    /// The idle entries' slots and bytes as counted, and as recounted from scratch (for tests).
+    #[cfg(test)]
+    fn evictable(&self) -> ((usize, usize), (usize, usize)) {
+        let s = self.store();
+        let recounted = s
+            .entries
+            .values()
+            .filter(|e| e.lock.is_none() && e.state.is_some())
+            .fold((0, 0), |(n, b), e| (n + e.slots(), b + e.bytes()));
+        (s.evictable, recounted)
     }
 }
 
@@ -1156,6 +1203,126 @@ mod tests {
         );
     }
 
+    /// A run-once name whose idle state is left over (an earlier holder aborted) is acquired
+    /// again on a full store: making room must not evict that very state, counted as already
+    /// there (before: it was, the store went one over its bound, and the completion of a
+    /// request already running was refused with `Capacity`, so its work would run again).
+    #[test]
+    fn acquiring_on_a_full_store_never_evicts_its_own_state() {
+        let once = |name: &str| {
+            op(
+                name,
+                Mode::Once {
+                    tag: Bytes::from_static(b"t"),
+                    retention: Duration::from_secs(60),
+                },
+                10_000,
+            )
+        };
+        for room in [3, 4] {
+            let b = MemoryBackend::new(MemoryLimits::new(room, 1 << 20).unwrap());
+            let a = once("a");
+            assert!(matches!(
+                b.acquire_now(&a).unwrap(),
+                Attempt::Acquired { .. }
+            ));
+            assert!(b.release_now(&a), "aborted: its state stays, idle");
+            if room == 4 {
+                // A completed record, younger than a's state: the one to evict.
+                let o = once("o");
+                b.acquire_now(&o).unwrap();
+                assert!(b.complete_now(&o, b"r", 0).unwrap());
+            }
+            let x = once("x");
+            assert!(matches!(
+                b.acquire_now(&x).unwrap(),
+                Attempt::Acquired { .. }
+            ));
+            assert_eq!(b.usage().0, room, "full");
+            let a2 = once("a");
+            let taken = b.acquire_now(&a2);
+            assert!(b.usage().0 <= room, "over the bound: {:?}", b.usage());
+            if room == 3 {
+                // Nothing else to evict: the lock has no room.
+                assert!(
+                    matches!(taken, Err(LockError::Capacity { .. })),
+                    "{taken:?}"
+                );
+            } else {
+                assert!(matches!(taken, Ok(Attempt::Acquired { .. })), "{taken:?}");
+                assert_eq!(b.usage().2, 1, "o's record made the room");
+                assert!(b.complete_now(&a2, b"r", 0).unwrap());
+            }
+            assert!(
+                b.complete_now(&x, b"r", 0).unwrap(),
+                "the running request's completion is stored"
+            );
+            assert!(b.usage().0 <= room, "{:?}", b.usage());
+            let (counted, recounted) = b.evictable();
+            assert_eq!(counted, recounted);
+        }
+    }
+
+    /// A part, record or tag that cannot fit even with every idle record evicted is refused
+    /// without evicting any (before: every stored outcome went first, then it was refused
+    /// anyway, so every one of their retries ran again).
+    #[test]
+    fn what_cannot_fit_evicts_nothing() {
+        let b = MemoryBackend::new(MemoryLimits::new(100, 10_000).unwrap());
+        let once = |name: &str, tag: &'static [u8]| {
+            op(
+                name,
+                Mode::Once {
+                    tag: Bytes::from_static(tag),
+                    retention: Duration::from_secs(60),
+                },
+                10_000,
+            )
+        };
+        for i in 0..5 {
+            let o = once(&format!("k{i}"), b"t");
+            b.acquire_now(&o).unwrap();
+            assert!(b.complete_now(&o, &[1; 1000], 0).unwrap());
+        }
+        let kept = b.usage();
+        let big = once("big", b"t");
+        assert!(matches!(
+            b.acquire_now(&big).unwrap(),
+            Attempt::Acquired { .. }
+        ));
+        assert!(matches!(
+            b.append_now(&big, 0, &[0; 20_000]),
+            Err(LockError::Capacity { .. })
+        ));
+        assert!(matches!(
+            b.complete_now(&big, &[0; 20_000], 0),
+            Err(LockError::Capacity { .. })
+        ));
+        assert!(matches!(
+            b.acquire_now(&once("huge-tag", &[0; 20_000])),
+            Err(LockError::Capacity { .. })
+        ));
+        assert_eq!(
+            b.usage().2,
+            0,
+            "nothing evicted: {:?} before, {:?}",
+            kept,
+            b.usage()
+        );
+        for i in 0..5 {
+            let again = once(&format!("k{i}"), b"t");
+            assert!(
+                matches!(b.acquire_now(&again).unwrap(), Attempt::Done { .. }),
+                "k{i}'s record is still there"
+            );
+        }
+        // What fits once idle records go still gets its room.
+        assert!(b.complete_now(&big, &[0; 7_000], 0).unwrap());
+        assert!(b.usage().2 > 0, "evicted to make room");
+        let (counted, recounted) = b.evictable();
+        assert_eq!(counted, recounted);
+    }
+
     #[test]
     fn byte_accounting_returns_to_zero() {
         let b = MemoryBackend::new(MemoryLimits::default());
@@ -1199,6 +1366,8 @@ mod tests {
                 slots,
                 "index entries vs locks and states, {at}"
             );
+            let (counted, recounted) = b.evictable();
+            assert_eq!(counted, recounted, "evictable slots and bytes, {at}");
         };
         let once = |name: &str| {
             op(
