@@ -352,7 +352,9 @@ impl<'a> Reader<'a> {
             let value_len = self.u32()? as usize;
             let value = HeaderValue::from_bytes(self.take(value_len)?)
                 .map_err(|e| format!("header value: {e}"))?;
-            headers.append(name, value);
+            headers
+                .try_append(name, value)
+                .map_err(|_| format!("more headers than a header map holds ({count})"))?;
         }
         Ok(headers)
     }
@@ -400,6 +402,34 @@ mod tests {
             vary: &h.vary,
         }
         .write_head(out, 0);
+    }
+
+    /// A head naming more distinct headers than a `HeaderMap` holds (about 32,000) is reported,
+    /// never a panic (before: `HeaderMap::append` panicked on the record's count).
+    #[test]
+    fn too_many_headers_are_an_error_not_a_panic() {
+        let mut h = head(Kind::Response);
+        h.headers.clear();
+        h.vary.clear();
+        let mut empty = Vec::new();
+        encode_head(&h, &mut empty);
+        // Tag, kind, fingerprint, status, fence; then the header count.
+        let fixed = 1 + 1 + 32 + 2 + 8;
+        let mut out = empty[..fixed].to_vec();
+        let count: u16 = 40_000;
+        out.extend_from_slice(&count.to_be_bytes());
+        for i in 0..count {
+            let name = format!("x-{i}");
+            out.extend_from_slice(&(name.len() as u16).to_be_bytes());
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(&0u32.to_be_bytes());
+        }
+        out.extend_from_slice(&empty[fixed + 2..]);
+        let decoded = std::panic::catch_unwind(|| Part::decode(&Bytes::from(out)));
+        let Ok(decoded) = decoded else {
+            panic!("decoding panicked")
+        };
+        assert!(decoded.is_err(), "{decoded:?}");
     }
 
     #[test]
