@@ -172,6 +172,54 @@ async fn a_lost_completion_reply_is_recognised_on_retry() {
     }
 }
 
+/// A streamed record whose completion reply was lost: the retried completion, recognised as
+/// done, refreshes the retention of every key of the record, parts included (before: the
+/// state's only, so for the retry's delay at the end of the retention the state said done while
+/// its parts were gone, and a replay was reported unreadable instead of a fresh run).
+#[tokio::test]
+async fn a_retried_streamed_completion_keeps_the_parts_as_long_as_the_state() {
+    let server = RedisServer::start_owned().await;
+    let proxy = FaultProxy::start(&server).await;
+    let prefix = testkit::unique_prefix("lost-complete-parts");
+    let config = LockConfig::builder()
+        .lease(ms(3_000))
+        .op_timeout(ms(300))
+        .build()
+        .unwrap();
+    let client = client_via(&proxy, &prefix, config).await;
+    let once = client
+        .once("export")
+        .unwrap()
+        .retention(Duration::from_secs(60))
+        .unwrap();
+    let name = once.name().clone();
+    let Begin::Acquired(guard) = once.begin("tag").await.unwrap() else {
+        panic!("free")
+    };
+    guard.append(b"p0").await.unwrap();
+    proxy.drop_next_replies(1);
+    guard
+        .complete(b"end")
+        .await
+        .expect("the completion happened: a lost reply is not a failure");
+    assert_eq!(proxy.dropped(), 1, "the first completion's reply was lost");
+    // Both expiries read at one instant.
+    let mut r = server.connection().await;
+    let (state, parts): (i64, i64) = redis::pipe()
+        .atomic()
+        .pttl(name.state_key())
+        .pttl(name.parts_key())
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    assert!(state > 0 && parts > 0, "state {state} ms, parts {parts} ms");
+    assert!(
+        parts >= state,
+        "the parts expire {} ms before the state that says the record is done",
+        state - parts
+    );
+}
+
 /// A master with a replica in sync, a fault proxy in front of the master, and a client through
 /// it that checks one replica (`WAIT`, 200 ms) after every write: a 30 s lease, a 600 ms
 /// command timeout. `m` is a direct connection to the master.

@@ -41,8 +41,10 @@ if redis.call('HGET', KEYS[2], 'c') == ARGV[1] then
   -- A retry of a completion whose reply was lost: done. The retention is refreshed: a write,
   -- so that a replica check (WAIT) sent after this call on a new connection waits for its
   -- replication, which a replica can only acknowledge after the record's (Valkey answers a
-  -- WAIT on a connection that wrote nothing at once, counting a frozen replica).
+  -- WAIT on a connection that wrote nothing at once, counting a frozen replica). The parts of
+  -- a streamed record get it too: they must never expire before the state that says done.
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  redis.call('PEXPIRE', KEYS[3], ARGV[3])
   return 1
 end
 return 0
