@@ -91,8 +91,15 @@ pub(crate) async fn replay<B>(
     let Some(last) = last else {
         return unreadable(config, "the end of a streamed record is missing".into());
     };
-    match sealer.open_part(end, head.fence, &last) {
-        Ok(Part::End { kept: true, .. }) => {}
+    // A body whose length is known is announced: a client without chunked encoding (HTTP/1.0)
+    // then tells a body that breaks off from one that ended. (Not with trailers, which only a
+    // chunked body carries over HTTP/1.1.)
+    let length = match sealer.open_part(end, head.fence, &last) {
+        Ok(Part::End {
+            kept: true,
+            len,
+            trailers,
+        }) => (trailers.is_empty() && has_body(head.status)).then_some(len),
         Ok(Part::End { kept: false, .. }) => {
             return (not_kept(config, head), Event::Replayed);
         }
@@ -102,12 +109,17 @@ pub(crate) async fn replay<B>(
         }
         Ok(_) => return unreadable(config, "a streamed record ends with the wrong part".into()),
         Err(reason) => return unreadable(config, reason),
-    }
+    };
     let source = Source::Stored {
         once: stored.once.clone(),
         parts,
     };
-    let response = streamed(config, head, source, stored.key, stored.name);
+    let mut response = streamed(config, head, source, stored.key, stored.name);
+    if let Some(length) = length {
+        response
+            .headers_mut()
+            .insert(header::CONTENT_LENGTH, HeaderValue::from(length));
+    }
     (response, Event::Replayed)
 }
 
@@ -160,6 +172,13 @@ pub(crate) async fn join<B>(
         stored.name,
     );
     (response, Event::Replayed)
+}
+
+/// Whether a response of this status has a body to announce (1xx, 204 and 304 have none).
+fn has_body(status: http::StatusCode) -> bool {
+    !(status.is_informational()
+        || status == http::StatusCode::NO_CONTENT
+        || status == http::StatusCode::NOT_MODIFIED)
 }
 
 /// The fingerprint and `Vary` checks of a stored head against this request.

@@ -465,6 +465,71 @@ async fn a_lease_lost_mid_stream_stops_the_record_and_breaks_joiners_off() {
     assert_eq!(t.runs(), 2);
 }
 
+/// A stored streamed record replayed to an HTTP/1.0 client (nginx speaks HTTP/1.0 to its
+/// upstreams by default), whose body breaks off (a part altered in Redis): such a client has no
+/// chunked encoding to tell a break from an end, so the replay announces its length, known from
+/// the record's end, and a short body is visible as short (before: no `content-length`, and
+/// the connection's close read as a complete short 200).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_that_breaks_off_is_visible_to_an_http_1_0_client() {
+    use ::redis::AsyncCommands;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = TestStore::redis("http10-replay").await;
+    let t = Tokens::new(true);
+    let (addr, _server) = support::serve(app(&s, &t, |b| b)).await;
+    let post = || async move {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request =
+            "POST /tokens HTTP/1.0\r\nidempotency-key: http10\r\ncontent-length: 0\r\n\r\n";
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut all = Vec::new();
+        within("the response to its end", stream.read_to_end(&mut all))
+            .await
+            .unwrap();
+        let at = all
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("a head");
+        let head = String::from_utf8_lossy(&all[..at]).to_lowercase();
+        (head, all[at + 4..].to_vec())
+    };
+    let (head, whole) = post().await;
+    assert!(
+        head.starts_with("http/1.0 200") || head.starts_with("http/1.1 200"),
+        "{head}"
+    );
+    assert!(!whole.is_empty());
+    let server = s.server.as_ref().unwrap();
+    let mut r = server.connection().await;
+    let lists: Vec<String> = r
+        .keys(format!("{}:*:parts", s.store.client().prefix()))
+        .await
+        .unwrap();
+    assert_eq!(lists.len(), 1, "{lists:?}");
+    let parts: Vec<Vec<u8>> = r.lrange(&lists[0], 0, -1).await.unwrap();
+    assert!(parts.len() > 9, "three batches: {}", parts.len());
+    // A part of the last batch altered: the first batches go out, then the body breaks off.
+    let late = parts.len() - 2;
+    let mut altered = parts[late].clone();
+    altered[10] ^= 1;
+    let _: () = r.lset(&lists[0], late as isize, &altered).await.unwrap();
+    let (head, body) = post().await;
+    assert!(head.contains("idempotent-replayed: true"), "{head}");
+    assert!(
+        !body.is_empty() && body.len() < whole.len(),
+        "{} of {}",
+        body.len(),
+        whole.len()
+    );
+    assert!(
+        head.contains(&format!("content-length: {}", whole.len())),
+        "a body of {} bytes where {} were stored, and nothing in the head to tell: {head}",
+        body.len(),
+        whole.len()
+    );
+    assert_eq!(t.runs(), 1, "never run again");
+}
+
 /// A stored streamed record whose parts are altered, swapped or missing in Redis is reported:
 /// the body breaks off, never a complete short one; the handler does not run again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
