@@ -263,7 +263,8 @@ fn replayed<B>(mut response: Response<ResponseBody<B>>) -> Response<ResponseBody
 }
 
 /// The answer for an outcome stored without its body: never a 2xx with a body the handler did
-/// not produce; the stored headers (a `Location`, say) still tell the client where the result is.
+/// not produce; the stored headers (a `Location`, say) still tell the client where the result is,
+/// but not those that described the body ([`DESCRIBE_THE_BODY`]).
 fn not_kept<B>(config: &Config, head: Head) -> Response<ResponseBody<B>> {
     let mut response = problem(
         config,
@@ -273,12 +274,30 @@ fn not_kept<B>(config: &Config, head: Head) -> Response<ResponseBody<B>> {
         },
     );
     for (name, value) in &kept_headers(config, head.headers) {
-        if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
+        if !DESCRIBE_THE_BODY.contains(name) {
             response.headers_mut().append(name.clone(), value.clone());
         }
     }
     replayed(response)
 }
+
+/// Headers that describe a response's body (its representation), not the resource: they
+/// would misdescribe a problem that replaces the body (a client decoding `content-encoding:
+/// gzip` fails on plain JSON).
+const DESCRIBE_THE_BODY: [HeaderName; 12] = [
+    header::CONTENT_TYPE,
+    header::CONTENT_LENGTH,
+    header::CONTENT_ENCODING,
+    header::CONTENT_LANGUAGE,
+    header::CONTENT_LOCATION,
+    header::CONTENT_RANGE,
+    header::CONTENT_DISPOSITION,
+    header::ETAG,
+    header::LAST_MODIFIED,
+    header::TRAILER,
+    HeaderName::from_static("content-digest"),
+    HeaderName::from_static("repr-digest"),
+];
 
 /// Where the parts of a streamed body come from.
 enum Source {

@@ -832,6 +832,30 @@ async fn a_response_too_large_to_store_is_not_run_again(s: TestStore) {
     assert_eq!(retry.json()["original_status"], 201);
     assert_eq!(retry.headers["location"], first.headers["location"]);
     assert_eq!(retry.headers["content-type"], "application/problem+json");
+    // Headers that describe the stored body describe nothing of the problem that replaces
+    // it: a client that decodes `content-encoding: gzip` would fail on plain JSON (before:
+    // copied onto the 410).
+    let first = decide(&app, "encoded", "status=200&representation=true").await;
+    assert_eq!(first.headers["content-encoding"], "gzip");
+    let retry = decide(&app, "encoded", "status=200&representation=true").await;
+    assert_eq!(retry.status, StatusCode::GONE);
+    for name in [
+        "content-encoding",
+        "content-language",
+        "etag",
+        "last-modified",
+    ] {
+        assert!(
+            !retry.headers.contains_key(name),
+            "{name} on the problem: {:?}",
+            retry.headers
+        );
+    }
+    assert!(
+        retry.headers.contains_key("location"),
+        "{:?}",
+        retry.headers
+    );
 }
 
 async fn keys_from_the_json_body(s: TestStore) {

@@ -236,6 +236,10 @@ pub struct Decide {
     /// `final` or `retryable` in a response extension, `ctx-final` or `ctx-retryable` through
     /// the context; nothing: the default rule.
     outcome: Option<String>,
+    /// On `true`, the response also describes its representation: `content-encoding: gzip`
+    /// (the body is not really compressed), `content-language`, `etag`, `last-modified`.
+    #[serde(default)]
+    representation: bool,
 }
 
 /// Answers `?status=` with the decision `?outcome=` (see [`Decide`]).
@@ -251,6 +255,17 @@ async fn decide(
         format!("status {} run {run}", q.status),
     )
         .into_response();
+    if q.representation {
+        let headers = response.headers_mut();
+        for (name, value) in [
+            ("content-encoding", "gzip"),
+            ("content-language", "en"),
+            ("etag", "\"v1\""),
+            ("last-modified", "Sun, 22 Nov 2026 10:00:00 GMT"),
+        ] {
+            headers.insert(name, http::HeaderValue::from_static(value));
+        }
+    }
     match q.outcome.as_deref() {
         Some("final") => {
             response.extensions_mut().insert(Outcome::Final);
