@@ -197,10 +197,15 @@ where
         OnConflict::Wait(wait) => (wait, true),
         _ => (config.completion_grace, false),
     };
+    // A store that just said the key is in flight is up, and the handler is running
+    // elsewhere: an error while waiting for it is no reason to run it here (fail-open is for
+    // a store that cannot be reached at all).
+    let mut seen_in_flight = false;
     if let Ok(Begin::InFlight { tag: theirs, .. }) = &began
         && theirs[..] == fingerprint[..]
         && !wait.is_zero()
     {
+        seen_in_flight = true;
         // Boxed: waiting is the rare path; it should not grow every request's future.
         began = if follow {
             Box::pin(once.begin_wait(tag(), wait)).await
@@ -305,7 +310,20 @@ where
             tracing::error!(key = %name, %detail, "stored idempotency record is unreadable; not running the handler again");
             reject(&config, Rejection::RecordUnreadable { reason: detail })
         }
-        Err(error) if config.fail_open => {
+        Err(error @ LockError::Capacity { .. }) => {
+            tracing::warn!(key = %name, %error, "idempotency store full: 503, handler not run");
+            reject(
+                &config,
+                Rejection::StoreFull {
+                    retry_after: config.retry_after,
+                },
+            )
+        }
+        Err(
+            error @ (LockError::Unavailable { .. }
+            | LockError::NoQuorum { .. }
+            | LockError::NotReplicated { .. }),
+        ) if config.fail_open && !seen_in_flight => {
             tracing::warn!(key = %name, %error, "idempotency store unavailable: running the handler UNPROTECTED (fail-open)");
             count(Event::FailOpen);
             parts
@@ -315,15 +333,6 @@ where
                 request: Request::from_parts(parts, RequestBody::buffered(read)),
                 run: None,
             }
-        }
-        Err(error @ LockError::Capacity { .. }) => {
-            tracing::warn!(key = %name, %error, "idempotency store full: 503, handler not run");
-            reject(
-                &config,
-                Rejection::StoreFull {
-                    retry_after: config.retry_after,
-                },
-            )
         }
         Err(error) => {
             tracing::warn!(key = %name, %error, "idempotency store unavailable: 503, handler not run");

@@ -838,6 +838,12 @@ impl IdempotencyLayerBuilder {
     /// does not run the handler; `true` runs the handler unprotected, and says so in a warning
     /// log, the `fail_open` metric and [`IdempotencyContext::is_protected`](crate::IdempotencyContext::is_protected).
     ///
+    /// Only for a store that does not answer (a timeout, a lost connection, no Redlock quorum,
+    /// replicas that did not confirm): a store that answers with a refusal (full, a script or
+    /// permission error, a broken record) still gets its 503 or 500; and a request that has
+    /// just been told its key is in flight never runs beside that execution, even if the store
+    /// stops answering while it waits (503).
+    ///
     /// ```
     /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
     ///     .fail_open(true);

@@ -130,6 +130,63 @@ async fn an_unreachable_redis_fails_closed_or_open() {
     assert_eq!(probe.runs(), 2);
 }
 
+/// Fail-open is for a store that cannot be reached, not for one that just said the key is in
+/// flight: a duplicate waiting for the first request (`OnConflict::Wait`) whose store stops
+/// answering gets 503 and never runs the handler beside the first (before: it ran unprotected
+/// while the first still held its lease, two executions).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_never_runs_beside_a_request_seen_in_flight() {
+    use support::within;
+    let server = RedisServer::start_owned().await;
+    let proxy = testkit::FaultProxy::start(&server).await;
+    let prefix = testkit::unique_prefix("open-in-flight");
+    let (a, probe) = app(&redis_store(&server.url(), &prefix).await, |b| b);
+    let b = app_with(&redis_store(&proxy.url(), &prefix).await, &probe, |b| {
+        b.fail_open(true)
+            .on_conflict(tower_idempotency::OnConflict::Wait(Duration::from_secs(3)))
+    });
+    probe.close();
+    let first = tokio::spawn(async move { send(&a, post_key("/things", "k", "{}")).await });
+    probe.started(1).await;
+    // The duplicate found the key in flight and waits for it: it listens for the release.
+    let r = server.connection().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let second = tokio::spawn(async move { send(&b, post_key("/things", "k", "{}")).await });
+    loop {
+        let channels: Vec<String> = redis::cmd("PUBSUB")
+            .arg("CHANNELS")
+            .query_async(&mut r.clone())
+            .await
+            .unwrap();
+        if !channels.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the duplicate never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Now its store stops answering.
+    proxy.blackhole(true);
+    support::wait_until("the duplicate answered or ran", || {
+        second.is_finished() || probe.runs() > 1
+    })
+    .await;
+    assert_eq!(
+        probe.runs(),
+        1,
+        "the duplicate ran beside the first, unprotected"
+    );
+    let second = within("the duplicate's answer", second).await.unwrap();
+    assert_eq!(second.status, StatusCode::SERVICE_UNAVAILABLE, "{second:?}");
+    proxy.blackhole(false);
+    probe.open();
+    let first = within("the first request", first).await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(probe.runs(), 1);
+}
+
 /// Redis goes away and comes back: requests get 503 meanwhile, and the layer recovers by itself.
 #[tokio::test]
 async fn the_layer_recovers_after_a_redis_restart() {
