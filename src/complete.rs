@@ -198,21 +198,59 @@ async fn store(run: Box<Run>, record: &[u8], event: Event) {
 /// way (sent to the store, or already answered): the response can go to the client while the
 /// store answers, the lease keeping the key until then. A command sent before the response goes
 /// out is ahead of any command the client's retry can cause on this instance's connection.
-pub(crate) async fn store_then(run: Box<Run>, record: &[u8], event: Event, sent: impl FnOnce()) {
+pub(crate) async fn store_then(
+    mut run: Box<Run>,
+    record: &[u8],
+    event: Event,
+    sent: impl FnOnce(),
+) {
     let started = Instant::now();
     let fence = run.guard.fence();
-    let mut completing = pin!(run.guard.complete(record));
-    let first = poll_fn(|cx| Poll::Ready(completing.as_mut().poll(cx))).await;
-    sent();
-    let stored = match first {
-        Poll::Ready(stored) => stored,
-        Poll::Pending => completing.await,
+    let stored = {
+        let mut completing = pin!(run.guard.try_complete(record));
+        let first = poll_fn(|cx| Poll::Ready(completing.as_mut().poll(cx))).await;
+        sent();
+        match first {
+            Poll::Ready(stored) => stored,
+            Poll::Pending => completing.await,
+        }
     };
     let event = match stored {
         Ok(()) => event,
         Err(LockError::LeaseLost { reason, .. }) => {
             tracing::warn!(fence, %reason, "idempotency: lease lost while the handler ran; outcome NOT stored");
             Event::LeaseLost
+        }
+        // The store answered, and refused this record (its parts were evicted mid-stream, a
+        // full memory store, a script error): the handler ran, so say that its outcome is
+        // unknown rather than release the key for a second run.
+        Err(
+            error @ (LockError::BrokenRecord { .. }
+            | LockError::Capacity { .. }
+            | LockError::TooLarge { .. }
+            | LockError::Redis { .. }),
+        ) => {
+            let none = HeaderMap::new();
+            let unknown = run.sealer().seal_whole(
+                &run.head(
+                    Kind::Unknown,
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    &none,
+                    &none,
+                ),
+                &[],
+                None,
+            );
+            match run.guard.complete_whole(&unknown).await {
+                Ok(()) => {
+                    tracing::warn!(fence, %error, "idempotency: the outcome could not be stored; recorded as unknown, retries get outcome-unknown");
+                    Event::Unknown
+                }
+                Err(again) => {
+                    tracing::warn!(fence, %error, %again, "idempotency: could not store the outcome; a retry will run the handler again");
+                    Event::StoreError
+                }
+            }
         }
         Err(error) => {
             tracing::warn!(fence, %error, "idempotency: could not store the outcome; a retry will run the handler again");

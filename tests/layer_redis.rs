@@ -446,6 +446,57 @@ async fn a_record_missing_its_parts_is_reported_never_run_again() {
     }
 }
 
+/// The parts of a record being streamed vanish mid-stream (Redis evicted the list, or someone
+/// deleted it): the client still gets the whole response, and the layer, unable to store what
+/// it sent, stores that its outcome is unknown, so a retry gets 500 `outcome-unknown` and never
+/// runs the handler again (before: the refused completion released the key, second run).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parts_lost_mid_stream_leave_an_unknown_outcome_not_a_second_run() {
+    use http_body_util::BodyExt;
+    use support::within;
+    let server = RedisServer::start_owned().await;
+    let prefix = testkit::unique_prefix("parts-lost-mid-stream");
+    let (app, probe) = app(&redis_store(&server.url(), &prefix).await, |b| b);
+    let (addr, _server) = serve(app).await;
+    let client = client();
+    let request = || {
+        Request::post("/stream")
+            .header("idempotency-key", "s")
+            .header("authorization", "alice")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let mut first = request();
+    *first.uri_mut() = format!("http://{addr}/stream").parse().unwrap();
+    let first = within("the response", client.request(first)).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let mut body = first.into_body();
+    let mut got = Vec::new();
+    let mut r = server.connection().await;
+    let mut deleted = false;
+    while let Some(frame) = within("a frame", body.frame()).await {
+        if let Ok(data) = frame.unwrap().into_data() {
+            got.extend_from_slice(&data);
+        }
+        let parts: Vec<String> = r.keys(format!("{prefix}:*:parts")).await.unwrap();
+        if !deleted && got.len() > 30 && !parts.is_empty() {
+            let _: () = r.del(&parts[0]).await.unwrap();
+            deleted = true;
+        }
+    }
+    assert!(deleted, "the parts were there to delete mid-stream");
+    let expected: String = (0..10).map(|i| format!("run 1 part {i};")).collect();
+    assert_eq!(
+        String::from_utf8(got).unwrap(),
+        expected,
+        "the client got it all"
+    );
+    let retry = within("the retry", http(&client, addr, request())).await;
+    assert_eq!(probe.runs(), 1, "ran again: {retry:?}");
+    assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR, "{retry:?}");
+    assert_eq!(retry.problem(), "outcome-unknown");
+}
+
 /// A streamed response with a `content-length`: the client has the whole body when the last
 /// byte is written, while the last part and the completion are still on their way to the store
 /// (instance A's store replies come 150 ms late). A retry at once on instance B finds the key

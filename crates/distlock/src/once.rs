@@ -1195,9 +1195,57 @@ impl OnceGuard {
     /// # Ok(()) }
     /// ```
     pub async fn complete(mut self, record: &[u8]) -> Result<(), LockError> {
+        self.try_complete(record).await
+    }
+
+    /// Stores the record as [`complete`](Self::complete) does, but a completion the store
+    /// refuses leaves this guard holding the lock: a record of parts the store no longer holds
+    /// ([`LockError::BrokenRecord`]), a full in-memory store ([`LockError::Capacity`]), a record
+    /// above [`MAX_PART_LEN`], a script error. The work is done, so the caller can still say so:
+    /// store another record in its place ([`complete_whole`](Self::complete_whole)) rather than
+    /// release the lock and let the work run again. After a completion that stored the record
+    /// or found the lock lost, the guard is spent; after any other error (the store out of
+    /// reach for the whole lease included) it still holds the lock, and dropping it releases.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// let once = distlock::LockClient::memory().once("job")?;
+    /// let distlock::Begin::Acquired(mut g) = once.begin("").await? else { unreachable!() };
+    /// let huge = vec![0u8; distlock::once::MAX_PART_LEN + 1];
+    /// assert!(g.try_complete(&huge).await.is_err(), "refused: the guard still holds the lock");
+    /// g.complete_whole(b"done; the result was too large to keep").await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn try_complete(&mut self, record: &[u8]) -> Result<(), LockError> {
+        let appended = self.appended();
+        self.complete_as(record, appended).await
+    }
+
+    /// Stores `record` as a one-part record in place of the parts appended so far (the store
+    /// deletes them), and releases: what a writer whose streamed record broke (parts evicted
+    /// behind its back) can still store, so that the work is not run again. Errors as
+    /// [`complete`](Self::complete).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// let once = distlock::LockClient::memory().once("job")?;
+    /// let distlock::Begin::Acquired(g) = once.begin("").await? else { unreachable!() };
+    /// g.append(b"part").await?;
+    /// g.complete_whole(b"summary").await?;
+    /// let distlock::Begin::Done(record) = once.begin("").await? else { unreachable!() };
+    /// assert_eq!(record.whole().map(|r| &r[..]), Some(&b"summary"[..]));
+    /// # Ok(()) }
+    /// ```
+    pub async fn complete_whole(mut self, record: &[u8]) -> Result<(), LockError> {
+        self.complete_as(record, crate::backend::REPLACE_PARTS)
+            .await
+    }
+
+    async fn complete_as(&mut self, record: &[u8], appended: u64) -> Result<(), LockError> {
         let name = self.guard.name().to_owned();
         check_part(&name, record)?;
-        let appended = self.appended();
         let (backend, op) = (self.guard.backend(), self.guard.op());
         let stored = within_lease(&self.guard, "completion", || {
             backend.complete(op, record, appended)

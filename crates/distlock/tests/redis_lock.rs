@@ -807,6 +807,45 @@ async fn a_refused_connection_is_not_an_ambiguous_acquisition() {
     }
 }
 
+/// A streamed record whose parts vanished (evicted) before its completion: the completion is
+/// refused (`BrokenRecord`) and, with `try_complete`, the guard still holds the lock, so the
+/// writer can store a one-part record in place of the parts (`complete_whole`): done, whole,
+/// its parts deleted; the work is not run again.
+#[tokio::test]
+async fn a_broken_streamed_record_can_be_completed_whole() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("complete-whole");
+    let c = client(&server, &prefix, LockConfig::default()).await;
+    let once = c.once("export").unwrap();
+    let name = once.name().clone();
+    let mut r = server.connection().await;
+    let Begin::Acquired(mut g) = once.begin("t").await.unwrap() else {
+        panic!("free")
+    };
+    g.append(b"p0").await.unwrap();
+    let _: () = r.del(name.parts_key()).await.unwrap();
+    match g.try_complete(b"end").await {
+        Err(LockError::BrokenRecord { .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        matches!(once.begin("t").await.unwrap(), Begin::InFlight { .. }),
+        "the guard still holds the lock"
+    );
+    // A part appended again makes the list non-empty: it goes too.
+    let _: () = r.rpush(name.parts_key(), "stale").await.unwrap();
+    g.complete_whole(b"summary").await.unwrap();
+    match once.begin("t").await.unwrap() {
+        Begin::Done(record) => {
+            assert_eq!(record.parts(), 1);
+            assert_eq!(record.whole().map(|w| &w[..]), Some(&b"summary"[..]));
+        }
+        other => panic!("{other:?}"),
+    }
+    let exists: bool = r.exists(name.parts_key()).await.unwrap();
+    assert!(!exists, "the parts are deleted");
+}
+
 /// Every key of a streamed record lives for the record's retention: the state and the parts
 /// from the first append on, refreshed by every append and every renewal of the lease (a
 /// writer that appends rarely does not lose its first parts), and both after completion; the

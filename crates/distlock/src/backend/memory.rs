@@ -658,21 +658,22 @@ impl MemoryBackend {
             return Ok(mine);
         };
         let before = store.footprint(&key);
+        let replace = appended == super::REPLACE_PARTS;
         let stored = store.entries[&*key]
             .state
             .as_ref()
             .map_or(0, |s| s.parts.len() as u64);
-        if stored != appended {
+        if stored != appended && !replace {
             return Err(LockError::broken(
                 op.name.as_str(),
                 format!("{appended} parts were appended, the store holds {stored}"),
             ));
         }
-        // A whole record replaces the tag; a last part comes on top of the others.
-        let old = store.entries[&*key]
-            .state
-            .as_ref()
-            .map_or(0, |s| s.tag.as_ref().map_or(0, Bytes::len));
+        // A whole record replaces the tag (and, replacing, the parts); a last part comes on top
+        // of the others.
+        let old = store.entries[&*key].state.as_ref().map_or(0, |s| {
+            s.tag.as_ref().map_or(0, Bytes::len) + if replace { s.parts_bytes } else { 0 }
+        });
         if !store.make_room(&self.limits, 0, record.len().saturating_sub(old), &key, now) {
             return Err(capacity(op, &store));
         }
@@ -682,7 +683,8 @@ impl MemoryBackend {
             .get_mut(&*key)
             .expect("owned, and never evicted while held");
         let state = entry.holder_state();
-        if appended == 0 {
+        if appended == 0 || replace {
+            state.clear_parts();
             state.record = Some(Bytes::copy_from_slice(record));
         } else {
             state.push(record);

@@ -165,6 +165,9 @@ pub(crate) fn wake_next(backend: &dyn Backend, op: &Op) {
         .wake(op.name.channel(), op.token.as_str().as_bytes());
 }
 
+/// The `appended` of [`Backend::complete`] for a one-part record that replaces the parts stored.
+pub(crate) const REPLACE_PARTS: u64 = u64::MAX;
+
 /// The operations a store must provide. All are atomic in the store.
 pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Takes the lock if free (a reentrant lock also if held by the same owner), else reports
@@ -177,7 +180,8 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
     /// (`Once`) Stores `record` and releases, if the lock is still held by `op.token`. With
     /// `appended` parts before it (streamed), `record` becomes part `appended` and the record is
     /// done with `appended + 1` parts; the store must hold exactly `appended` parts (else
-    /// [`LockError::BrokenRecord`]).
+    /// [`LockError::BrokenRecord`]). With `appended` = [`REPLACE_PARTS`], `record` is a
+    /// one-part record that replaces whatever parts the store holds (they are deleted).
     fn complete<'a>(
         &'a self,
         op: &'a Op,

@@ -557,8 +557,12 @@ impl<C: Conn> Backend for RedisBackend<C> {
             call.cmd
                 .arg(op.token.as_str())
                 .arg(record)
-                .arg(op.state_ttl_ms())
-                .arg(appended);
+                .arg(op.state_ttl_ms());
+            if appended == super::REPLACE_PARTS {
+                call.cmd.arg("-1");
+            } else {
+                call.cmd.arg(appended);
+            }
             let (reply, acknowledged) = self.eval_replicated(op, true, call).await?;
             match parse_stored(op.name.as_str(), "complete", reply)? {
                 Ok(stored) => {

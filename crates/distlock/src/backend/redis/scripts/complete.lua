@@ -5,7 +5,9 @@
 --
 -- Without appends (ARGV[4] = '0') the record is one part, in the state hash (d). After appends
 -- the record is the last part, pushed after the others, and p = the part count marks the
--- streamed record done; the list must hold exactly the parts appended.
+-- streamed record done; the list must hold exactly the parts appended. ARGV[4] = '-1': a
+-- one-part record in place of the parts appended, which are deleted (a writer whose parts
+-- broke stores what it can say instead).
 --
 -- KEYS[1]  lock key
 -- KEYS[2]  state key
@@ -13,12 +15,16 @@
 -- ARGV[1]  owner token
 -- ARGV[2]  the record (one part), or the last part
 -- ARGV[3]  retention of the record in milliseconds
--- ARGV[4]  parts appended before, '0' for a one-part record
+-- ARGV[4]  parts appended before, '0' for a one-part record, '-1' for one replacing the parts
 --
 -- Returns 1 if stored (now or by an earlier attempt with this token), 0 if the lock was not
 -- ours any more, -1 - n if n parts are stored instead of ARGV[4] (nothing is touched).
 if redis.pcall('GET', KEYS[1]) == ARGV[1] then
   if ARGV[4] == '0' then
+    redis.call('HSET', KEYS[2], 'd', ARGV[2], 'c', ARGV[1])
+  elseif ARGV[4] == '-1' then
+    redis.call('DEL', KEYS[3])
+    redis.call('HDEL', KEYS[2], 'p')
     redis.call('HSET', KEYS[2], 'd', ARGV[2], 'c', ARGV[1])
   else
     local stored = redis.call('LLEN', KEYS[3])
