@@ -16,7 +16,9 @@
 //! that a request reading its body or waiting for a duplicate does not pin a `ConcurrencyLimit`
 //! or `Buffer` slot meanwhile (tower's `Oneshot` shape).
 
+use std::any::Any;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
@@ -170,33 +172,40 @@ where
                             retry_after: std::time::Duration::from_secs(1),
                         })));
                     };
-                    let future = inner.call(request);
-                    match run.take() {
-                        None => this.state.set(State::Unprotected { future }),
-                        Some(run) => {
-                            let fence = run.guard.fence();
-                            let config = run.config.clone();
-                            match execution::start(future, run) {
-                                Some(Started { result, execution }) => {
-                                    this.state.set(State::Running {
-                                        result,
-                                        execution: Some(execution),
-                                        driving: None,
-                                        fence,
-                                        config,
-                                    });
-                                }
-                                None => {
-                                    tracing::error!(
-                                        "tower-idempotency needs a Tokio runtime to run protected requests"
-                                    );
-                                    this.state.set(State::Done);
-                                    let rejection = Rejection::StoreUnavailable {
-                                        retry_after: config.retry_after,
-                                    };
-                                    return Poll::Ready(Ok(problem(&config, &rejection)));
-                                }
-                            }
+                    let Some(run) = run.take() else {
+                        let future = inner.call(request);
+                        this.state.set(State::Unprotected { future });
+                        continue;
+                    };
+                    let fence = run.guard.fence();
+                    let config = run.config.clone();
+                    // A service may do its work in `call` itself and panic there: the panic
+                    // goes through the execution like a handler's (the outcome is unknown, the
+                    // key is not released) and then reaches the caller.
+                    let called = std::panic::catch_unwind(AssertUnwindSafe(|| inner.call(request)));
+                    let started = match called {
+                        Ok(future) => execution::start(future, run),
+                        Err(panic) => execution::start(panicked(panic), run),
+                    };
+                    match started {
+                        Some(Started { result, execution }) => {
+                            this.state.set(State::Running {
+                                result,
+                                execution: Some(execution),
+                                driving: None,
+                                fence,
+                                config,
+                            });
+                        }
+                        None => {
+                            tracing::error!(
+                                "tower-idempotency needs a Tokio runtime to run protected requests"
+                            );
+                            this.state.set(State::Done);
+                            let rejection = Rejection::StoreUnavailable {
+                                retry_after: config.retry_after,
+                            };
+                            return Poll::Ready(Ok(problem(&config, &rejection)));
                         }
                     }
                 }
@@ -269,4 +278,9 @@ where
             }
         }
     }
+}
+
+/// A future that resumes a panic caught while it was being made (in a service's `call`).
+fn panicked<T>(panic: Box<dyn Any + Send>) -> impl Future<Output = T> + Send {
+    async move { std::panic::resume_unwind(panic) }
 }

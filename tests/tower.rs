@@ -249,3 +249,47 @@ async fn the_handler_gets_the_request_trailers() {
 
 type Frames =
     futures_util::stream::Iter<std::vec::IntoIter<Result<http_body::Frame<Bytes>, Infallible>>>;
+
+/// A service whose `call` panics before returning its future (a synchronous `service_fn` that
+/// did its work, or a `map_request` below the layer): the panic reaches the caller as without
+/// the layer, and the outcome is recorded as unknown, so the retry gets 500 `outcome-unknown`
+/// instead of a second run (before: the key was released as the panic unwound through the
+/// response future, and the retry ran it again).
+#[tokio::test]
+async fn a_panic_in_the_services_call_leaves_an_unknown_outcome() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let svc = ServiceBuilder::new()
+        .layer(memory_layer())
+        .service(tower::service_fn(
+            move |_req: Request<RequestBody<Full<Bytes>>>| {
+                // The work, then a panic, before any future is returned.
+                if counter.fetch_add(1, Ordering::SeqCst) == 0 {
+                    panic!("the service panics in call");
+                }
+                std::future::ready(Ok::<_, Infallible>(Response::new(String::from("ran"))))
+            },
+        ));
+    let request = || {
+        let mut r = Request::post("/jobs/8")
+            .header("idempotency-key", "job-8")
+            .body(Full::new(Bytes::from_static(b"payload")))
+            .unwrap();
+        r.extensions_mut()
+            .insert(RouteTemplate("/jobs/{id}".into()));
+        r
+    };
+    let first = tokio::spawn(svc.clone().oneshot(request())).await;
+    assert!(
+        first.as_ref().is_err_and(|e| e.is_panic()),
+        "the panic reaches the caller: {first:?}"
+    );
+    let retry = svc.clone().oneshot(request()).await.unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "ran again");
+    assert_eq!(retry.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let body = retry.into_body().collect().await.unwrap().to_bytes();
+    assert!(
+        String::from_utf8_lossy(&body).contains("outcome-unknown"),
+        "{body:?}"
+    );
+}
