@@ -177,6 +177,7 @@ where
         &parts,
         &config.fingerprint_headers,
         &read.data,
+        read.trailers.as_ref(),
     );
     let once = match config.store.client().once(&name) {
         Ok(once) => once,

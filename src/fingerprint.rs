@@ -1,8 +1,8 @@
 //! Request fingerprints: a key reused for a different request is refused (422), not replayed.
 
 use hmac::Mac;
-use http::HeaderName;
 use http::request::Parts;
+use http::{HeaderMap, HeaderName};
 
 use crate::secret::FingerprintMac;
 
@@ -14,12 +14,13 @@ fn field(mac: &mut FingerprintMac, bytes: &[u8]) {
 
 /// HMAC-SHA256 (under the fingerprint key derived from the server secret) of the method, path
 /// and query (as the client sent them, and as routed), the chosen headers (all their values,
-/// in order) and the body.
+/// in order), the body and its trailers, if it had any (the handler gets them too).
 pub(crate) fn fingerprint(
     mut mac: FingerprintMac,
     parts: &Parts,
     headers: &[HeaderName],
     body: &[u8],
+    trailers: Option<&HeaderMap>,
 ) -> [u8; 32] {
     field(&mut mac, b"tower-idempotency/fingerprint/v3");
     field(&mut mac, parts.method.as_str().as_bytes());
@@ -41,6 +42,15 @@ pub(crate) fn fingerprint(
         }
     }
     field(&mut mac, body);
+    // After the body's length-prefixed field: a request without trailers hashes as before.
+    if let Some(trailers) = trailers.filter(|t| !t.is_empty()) {
+        field(&mut mac, b"trailers");
+        mac.update(&(trailers.len() as u64).to_be_bytes());
+        for (name, value) in trailers {
+            field(&mut mac, name.as_str().as_bytes());
+            field(&mut mac, value.as_bytes());
+        }
+    }
     mac.finalize().into_bytes().into()
 }
 
@@ -60,7 +70,7 @@ mod tests {
             .unwrap()
             .into_parts()
             .0;
-        fingerprint(keys.fingerprinter(), &parts, &[CONTENT_TYPE], body)
+        fingerprint(keys.fingerprinter(), &parts, &[CONTENT_TYPE], body, None)
     }
 
     #[test]
@@ -91,7 +101,7 @@ mod tests {
                 parts
                     .extensions
                     .insert(axum::extract::OriginalUri(original.parse().unwrap()));
-                fingerprint(keys.fingerprinter(), &parts, &[CONTENT_TYPE], b"{}")
+                fingerprint(keys.fingerprinter(), &parts, &[CONTENT_TYPE], b"{}", None)
             };
             let plain = fp(&keys, "POST", "/a?x=1", "application/json", b"{}");
             assert_eq!(
@@ -105,6 +115,19 @@ mod tests {
                 routed("/signup", "/tenants/b/signup")
             );
         }
+        // Request trailers (the handler gets them): none and an empty map hash the same,
+        // other values differ.
+        let with = |trailers: Option<&http::HeaderMap>| {
+            let parts = http::Request::post("/a").body(()).unwrap().into_parts().0;
+            fingerprint(keys.fingerprinter(), &parts, &[], b"{}", trailers)
+        };
+        let mut one = http::HeaderMap::new();
+        one.insert("x-sum", http::HeaderValue::from_static("1"));
+        let mut two = http::HeaderMap::new();
+        two.insert("x-sum", http::HeaderValue::from_static("2"));
+        assert_eq!(with(None), with(Some(&http::HeaderMap::new())));
+        assert_ne!(with(None), with(Some(&one)));
+        assert_ne!(with(Some(&one)), with(Some(&two)));
         let other = Keys::new(Some(b"another secret, 32 bytes long..."));
         assert_ne!(
             base,

@@ -213,6 +213,7 @@ pub mod internals {
             parts,
             &[http::header::CONTENT_TYPE],
             body,
+            None,
         )
     }
 

@@ -230,21 +230,29 @@ async fn the_handler_gets_the_request_trailers() {
             )))
         },
     );
-    let mut trailers = http::HeaderMap::new();
-    trailers.insert("x-checksum", "abc".parse().unwrap());
-    let frames: Vec<Result<http_body::Frame<Bytes>, Infallible>> = vec![
-        Ok(http_body::Frame::data(Bytes::from_static(b"{}"))),
-        Ok(http_body::Frame::trailers(trailers)),
-    ];
-    let request = Request::post("/pay")
-        .header("idempotency-key", "trailers")
-        .body(http_body_util::StreamBody::new(futures_util::stream::iter(
-            frames,
-        )))
-        .unwrap();
-    let response = svc.oneshot(request).await.unwrap();
+    let request = |checksum: &'static str| {
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("x-checksum", checksum.parse().unwrap());
+        let frames: Vec<Result<http_body::Frame<Bytes>, Infallible>> = vec![
+            Ok(http_body::Frame::data(Bytes::from_static(b"{}"))),
+            Ok(http_body::Frame::trailers(trailers)),
+        ];
+        Request::post("/pay")
+            .header("idempotency-key", "trailers")
+            .body(http_body_util::StreamBody::new(futures_util::stream::iter(
+                frames,
+            )))
+            .unwrap()
+    };
+    let response = svc.clone().oneshot(request("abc")).await.unwrap();
     let body = response.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(body, "{} abc");
+    // The handler saw them, so they are part of the request: other trailers under the same
+    // key are another request (422), not a replay of this one (before: replayed).
+    let again = svc.clone().oneshot(request("abc")).await.unwrap();
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    let other = svc.oneshot(request("xyz")).await.unwrap();
+    assert_eq!(other.status(), StatusCode::UNPROCESSABLE_ENTITY);
 }
 
 type Frames =
