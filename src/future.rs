@@ -281,6 +281,6 @@ where
 }
 
 /// A future that resumes a panic caught while it was being made (in a service's `call`).
-fn panicked<T>(panic: Box<dyn Any + Send>) -> impl Future<Output = T> + Send {
-    async move { std::panic::resume_unwind(panic) }
+async fn panicked<T>(panic: Box<dyn Any + Send>) -> T {
+    std::panic::resume_unwind(panic)
 }

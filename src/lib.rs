@@ -90,8 +90,12 @@
 //!   key is only unique within a path parameter, make the key carry it (a [`KeySource`] of
 //!   your own) or scope by a [`principal`].
 //! * Timeouts **outside**: a `TimeoutLayer` outside answers the client and leaves the handler to
-//!   finish and store its outcome; inside, it cancels the handler, whose outcome is then
-//!   unknown ([`UnknownOutcome`]).
+//!   finish and store its outcome. Inside, it cancels the handler, and the layer sees only
+//!   what the timeout answers in its place: tower's `Timeout` returns an error, an unknown
+//!   outcome ([`UnknownOutcome`]); tower-http's `TimeoutLayer` returns a response, 408 by
+//!   default, which the default outcome rule counts as not processed, so the key is released
+//!   and a retry runs the handler again although the cancelled run may have done part of its
+//!   work (with another status, that response is stored and replayed).
 //!
 //! ```no_run
 //! # #[tokio::main]

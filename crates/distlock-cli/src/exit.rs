@@ -1,6 +1,6 @@
 //! Exit codes, from sysexits(3) where one fits.
 
-/// Bad arguments (EX_USAGE).
+/// Bad arguments or configuration, Redis refusing what the lock needs (EX_USAGE).
 pub(crate) const USAGE: i32 = 64;
 /// Redis could not be reached (EX_UNAVAILABLE).
 pub(crate) const UNAVAILABLE: i32 = 69;
@@ -19,7 +19,8 @@ pub(crate) const NOT_FOUND: i32 = 127;
 pub(crate) const TABLE: &str = "\
 Exit status:
   CMD's own exit status (128+N if CMD was killed by signal N)
-  64   bad arguments or configuration (usage is printed)
+  64   bad arguments or configuration, or Redis refusing what the lock needs (an ACL
+       user without its commands): the reason is printed
   69   Redis unreachable (the error is printed)
   70   internal error
   75   the lock was not acquired before --wait ended (held by another owner)

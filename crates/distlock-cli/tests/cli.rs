@@ -162,6 +162,42 @@ async fn exit_codes_for_usage_unavailable_held_and_missing_commands() {
     assert_eq!(out.code, 69, "{}", out.stderr);
     assert!(out.stderr.contains("unreachable"), "{}", out.stderr);
 
+    // Reachable, but refusing what the lock needs (an ACL user without the script commands):
+    // a configuration to fix, 64 with the reason, not "unreachable" (before: 69).
+    let own = RedisServer::start_owned().await;
+    let mut admin = own.connection().await;
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "noscripts", "on", ">pw", "~*", "&*", "+@all"][..])
+        .arg(&["-eval", "-evalsha", "-fcall", "-function", "-script"][..])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let out = run({
+        let mut c = Command::new(BIN);
+        c.args([
+            "run",
+            "--redis",
+            &format!("redis://noscripts:pw@127.0.0.1:{}/", own.port()),
+            "--key",
+            "k",
+            "--",
+            "true",
+        ])
+        .env_remove("REDIS_URL")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        c
+    })
+    .await;
+    assert_eq!(out.code, 64, "{}", out.stderr);
+    assert!(!out.stderr.contains("unreachable"), "{}", out.stderr);
+    assert!(out.stderr.contains("EVALSHA"), "the reason: {}", out.stderr);
+    assert!(
+        !out.stderr.contains(":pw@"),
+        "the password is masked: {}",
+        out.stderr
+    );
+
     // Held by someone else past --wait: 75 with a message; CMD never runs.
     let client = lib_client(&server, &prefix).await;
     let _held = client.lock("busy").unwrap().try_acquire().await.unwrap();
