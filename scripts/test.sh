@@ -106,7 +106,7 @@ if [ -z "${SKIP_VALKEY:-}" ]; then
     --test both_stores --test redis_lock --test redlock --test cluster --test faults \
     --test replies --test acl "$@"
   env -u REDIS_URL cargo test --all-features -p tower-idempotency \
-    --test layer_suite --test layer_redis --test examples "$@"
+    --test layer_suite --test layer_redis --test stream --test examples "$@"
   echo "test.sh: pass 2, the behavioural suites as a least-privilege ACL user on Valkey" >&2
   acl_pass "$@"
 fi

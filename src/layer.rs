@@ -507,7 +507,9 @@ impl IdempotencyLayerBuilder {
     }
 
     /// Request headers included in the fingerprint (default `Content-Type`), besides the method,
-    /// path, query and body.
+    /// path, query, body and trailers. Name here any header a response varies on beyond the
+    /// negotiation headers the layer checks itself (`Vary: X-Tenant`): a retry sending it
+    /// differently is then another request (422), never a replay of this one.
     ///
     /// # Errors
     /// If a name is not a valid header name.

@@ -72,7 +72,11 @@
 //! * **Inside compression** (tower-http's `CompressionLayer` is an outer layer): records are
 //!   stored uncompressed and each replay is compressed for the client that asks. With
 //!   compression inside, a stored body is replayed only to retries that negotiate the same
-//!   encoding (its `Vary`); others get 406.
+//!   encoding (its `Vary`); others get 406. The `Vary` check covers the negotiation headers
+//!   (`Accept`, `Accept-Encoding`, `Accept-Language`, `Origin`); a response that varies on
+//!   another request header (`Vary: X-Tenant`) is told apart by naming that header in
+//!   [`fingerprint_headers`](IdempotencyLayerBuilder::fingerprint_headers): a retry that sends
+//!   it differently is then another request (422).
 //! * On **the routes it protects**: `post(handler).route_layer(layer)` keeps axum's 405 for
 //!   methods a route does not have; under `Router::layer` (or `Router::route_layer`) axum
 //!   layers its 405 fallback too, and a covered method gets the layer's answer instead.

@@ -11,7 +11,7 @@
 //! | `conflict` | 409 | a request with this key is in flight (with `Retry-After`) |
 //! | `body-too-large` | 413 | the request body is over the buffering limit |
 //! | `unsupported-media-type` | 415 | the key comes from a JSON or form body of another content type |
-//! | `not-acceptable` | 406 | the stored response varies (`Vary`) on a request header that this retry sends differently (another `Accept-Encoding`, say): it cannot be replayed to it |
+//! | `not-acceptable` | 406 | the stored response varies (`Vary`) on a negotiation header (`Accept`, `Accept-Encoding`, `Accept-Language`, `Origin`) that this retry sends differently: it cannot be replayed to it |
 //! | `key-reused` | 422 | the key was used for a request with another fingerprint |
 //! | `record-unreadable` | 500 | the stored outcome for this key is corrupt or from an unknown format |
 //! | `principal-missing` | 500 | keys are scoped to a principal and the request has none (the layer runs before authentication?) |

@@ -390,8 +390,8 @@ impl LockConfigBuilder {
     }
 
     /// Turns fencing tokens off for exclusive locks (default on). An acquisition is then the
-    /// single command `SET key token NX PX lease` (sent with `PTTL` in one round trip, so that a
-    /// waiter knows when the lease ends) instead of a script that also increments the fencing
+    /// single command `SET key token NX PX lease` (followed by a `PTTL` only when the lock is
+    /// held, so that a waiter knows when the lease ends) instead of a script that also increments the fencing
     /// counter: on a busy Redis, where Lua costs most, that roughly doubles how many locks one
     /// Redis can grant per second. [`LockGuard::fence`](crate::LockGuard::fence) is then
     /// always 0, and nothing protects a resource from a holder paused past its lease. Reentrant

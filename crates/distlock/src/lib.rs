@@ -241,8 +241,9 @@
 //!   retry a renewal before the lease ends, a replica check or Redlock node timeout that does not
 //!   fit in the command timeout of the client's or a lock's configuration (checked by every
 //!   `with_config`, which returns a `Result`), values too large for Redis or `Instant`. Waits
-//!   of `Duration::MAX` and an unbounded hold cap saturate; building a client never needs a
-//!   Tokio runtime (background tasks start on first use).
+//!   of `Duration::MAX` and an unbounded hold cap saturate; building a client outside a Tokio
+//!   runtime is a [`ConfigError`] that says so, never a panic (a Redis client's connection
+//!   manager is made with it; the memory client needs none).
 
 mod acl;
 mod backend;
