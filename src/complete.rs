@@ -223,13 +223,14 @@ pub(crate) async fn store_then(
         }
         // The store answered, and refused this record (its parts were evicted mid-stream, a
         // full memory store, a script error): the handler ran, so say that its outcome is
-        // unknown rather than release the key for a second run.
+        // unknown rather than release the key for a second run (unless unknown outcomes are
+        // to release it: `UnknownOutcome::Release`).
         Err(
             error @ (LockError::BrokenRecord { .. }
             | LockError::Capacity { .. }
             | LockError::TooLarge { .. }
             | LockError::Redis { .. }),
-        ) => {
+        ) if run.config.unknown_outcome == UnknownOutcome::Record => {
             let none = HeaderMap::new();
             let unknown = run.sealer().seal_whole(
                 &run.head(

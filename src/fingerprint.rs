@@ -43,12 +43,18 @@ pub(crate) fn fingerprint(
     }
     field(&mut mac, body);
     // After the body's length-prefixed field: a request without trailers hashes as before.
+    // By name (the values of one name in their order): a client or proxy that sends the same
+    // trailers in another order sends the same request.
     if let Some(trailers) = trailers.filter(|t| !t.is_empty()) {
         field(&mut mac, b"trailers");
         mac.update(&(trailers.len() as u64).to_be_bytes());
-        for (name, value) in trailers {
-            field(&mut mac, name.as_str().as_bytes());
-            field(&mut mac, value.as_bytes());
+        let mut names: Vec<&HeaderName> = trailers.keys().collect();
+        names.sort_unstable_by(|a, b| a.as_str().cmp(b.as_str()));
+        for name in names {
+            for value in trailers.get_all(name) {
+                field(&mut mac, name.as_str().as_bytes());
+                field(&mut mac, value.as_bytes());
+            }
         }
     }
     mac.finalize().into_bytes().into()
@@ -128,6 +134,17 @@ mod tests {
         assert_eq!(with(None), with(Some(&http::HeaderMap::new())));
         assert_ne!(with(None), with(Some(&one)));
         assert_ne!(with(Some(&one)), with(Some(&two)));
+        let mut ab = http::HeaderMap::new();
+        ab.insert("x-a", http::HeaderValue::from_static("1"));
+        ab.insert("x-b", http::HeaderValue::from_static("2"));
+        let mut ba = http::HeaderMap::new();
+        ba.insert("x-b", http::HeaderValue::from_static("2"));
+        ba.insert("x-a", http::HeaderValue::from_static("1"));
+        assert_eq!(
+            with(Some(&ab)),
+            with(Some(&ba)),
+            "the order of names is not the request"
+        );
         let other = Keys::new(Some(b"another secret, 32 bytes long..."));
         assert_ne!(
             base,

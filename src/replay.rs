@@ -113,13 +113,9 @@ pub(crate) async fn replay<B>(
     let source = Source::Stored {
         once: stored.once.clone(),
         parts,
+        length,
     };
-    let mut response = streamed(config, head, source, stored.key, stored.name);
-    if let Some(length) = length {
-        response
-            .headers_mut()
-            .insert(header::CONTENT_LENGTH, HeaderValue::from(length));
-    }
+    let response = streamed(config, head, source, stored.key, stored.name);
     (response, Event::Replayed)
 }
 
@@ -284,7 +280,7 @@ fn not_kept<B>(config: &Config, head: Head) -> Response<ResponseBody<B>> {
 /// Headers that describe a response's body (its representation), not the resource: they
 /// would misdescribe a problem that replaces the body (a client decoding `content-encoding:
 /// gzip` fails on plain JSON).
-const DESCRIBE_THE_BODY: [HeaderName; 12] = [
+const DESCRIBE_THE_BODY: [HeaderName; 14] = [
     header::CONTENT_TYPE,
     header::CONTENT_LENGTH,
     header::CONTENT_ENCODING,
@@ -297,12 +293,19 @@ const DESCRIBE_THE_BODY: [HeaderName; 12] = [
     header::TRAILER,
     HeaderName::from_static("content-digest"),
     HeaderName::from_static("repr-digest"),
+    HeaderName::from_static("digest"),
+    HeaderName::from_static("content-md5"),
 ];
 
 /// Where the parts of a streamed body come from.
 enum Source {
-    /// A completed record of `parts` parts.
-    Stored { once: Once, parts: u64 },
+    /// A completed record of `parts` parts, whose body's `length` is announced (when known and
+    /// announceable: not with trailers, nor on a status without a body).
+    Stored {
+        once: Once,
+        parts: u64,
+        length: Option<u64>,
+    },
     /// A record still being written, followed live.
     Live(Box<Follower>),
 }
@@ -317,12 +320,21 @@ fn streamed<B>(
 ) -> Response<ResponseBody<B>> {
     // Driven by the body: a client that reads nothing holds nothing.
     let (feed, mut body) = Feed::channel(None);
+    let length = match &source {
+        Source::Stored { length, .. } => *length,
+        Source::Live(_) => None,
+    };
     let reading = read(source, feed, *key, name.to_owned(), head.fence);
     // The body drives the reading while the client reads; dropping it stops the reading.
     let _ = body.drive(Execution::cancellable(Box::pin(reading)));
     let mut response = Response::new(body);
     *response.status_mut() = head.status;
     *response.headers_mut() = kept_headers(config, head.headers);
+    if let Some(length) = length {
+        response
+            .headers_mut()
+            .insert(header::CONTENT_LENGTH, HeaderValue::from(length));
+    }
     replayed(response)
 }
 
@@ -337,11 +349,17 @@ async fn read(mut source: Source, mut feed: Feed, key: [u8; 32], name: String, w
     let sealer = Sealer::new(&key, &name);
     let mut next = 1u64;
     let mut len = 0u64;
+    // The announced length: no chunk may take the body past it (the server would cut the
+    // body there, and the client would see a complete response).
+    let limit = match &source {
+        Source::Stored { length, .. } => *length,
+        Source::Live(_) => None,
+    };
     // The next batch of a stored record, read ahead.
     let mut ahead: Option<Result<Vec<bytes::Bytes>, LockError>> = None;
     let outcome: Result<(), BoxError> = loop {
         let (from, parts, state) = match &mut source {
-            Source::Stored { once, parts } => {
+            Source::Stored { once, parts, .. } => {
                 if next >= *parts {
                     break Err("the stored record has no end".into());
                 }
@@ -377,18 +395,20 @@ async fn read(mut source: Source, mut feed: Feed, key: [u8; 32], name: String, w
         }
         next = from + parts.len() as u64;
         let read_ahead = match &source {
-            Source::Stored { once, parts: total } if !parts.is_empty() && next < *total => {
-                Some(once.stored_parts(next, BATCH))
-            }
+            Source::Stored {
+                once, parts: total, ..
+            } if !parts.is_empty() && next < *total => Some(once.stored_parts(next, BATCH)),
             _ => None,
         };
         // The read ahead is polled first, so its command leaves before the parts are opened;
         // a body that ends or breaks off here does not wait for it.
         let ended = match read_ahead {
-            None => deliver(&sealer, &mut feed, from, &parts, writer, &mut len).await,
+            None => deliver(&sealer, &mut feed, from, &parts, writer, &mut len, limit).await,
             Some(read) => {
                 let read = pin!(read);
-                let delivered = pin!(deliver(&sealer, &mut feed, from, &parts, writer, &mut len));
+                let delivered = pin!(deliver(
+                    &sealer, &mut feed, from, &parts, writer, &mut len, limit
+                ));
                 match futures_util::future::select(read, delivered).await {
                     Either::Left((read, delivered)) => {
                         ahead = Some(read);
@@ -436,9 +456,9 @@ async fn read(mut source: Source, mut feed: Feed, key: [u8; 32], name: String, w
     }
 }
 
-/// Opens parts `from..` and sends their chunks to the client; `len` counts the bytes sent.
-/// Returns the body's end (its trailers) when the end part is among them, an error when a part
-/// is not what it must be, and `None` when more parts follow.
+/// Opens parts `from..` and sends their chunks to the client; `len` counts the bytes sent, and
+/// never goes past `limit`. Returns the body's end (its trailers) when the end part is among
+/// them, an error when a part is not what it must be, and `None` when more parts follow.
 async fn deliver(
     sealer: &Sealer<'_>,
     feed: &mut Feed,
@@ -446,12 +466,22 @@ async fn deliver(
     parts: &[bytes::Bytes],
     writer: u64,
     len: &mut u64,
+    limit: Option<u64>,
 ) -> Option<Result<HeaderMap, BoxError>> {
     for (i, sealed) in parts.iter().enumerate() {
         let index = from + i as u64;
         match sealer.open_part(index, writer, sealed) {
             Ok(Part::Chunk(data)) => {
-                *len += data.len() as u64;
+                let after = *len + data.len() as u64;
+                if let Some(limit) = limit
+                    && after > limit
+                {
+                    return Some(Err(format!(
+                        "the chunks hold more than the record's {limit} bytes"
+                    )
+                    .into()));
+                }
+                *len = after;
                 feed.send(Message::Frame(Frame::data(data))).await;
             }
             Ok(Part::End {
@@ -483,6 +513,41 @@ async fn deliver(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Chunks holding more than the record's end says (a writer's bug: records authenticate,
+    /// nothing else can write one) are refused before the first byte past the announced
+    /// length: the server would cut the body there, and the client would see a complete
+    /// response of other bytes (before: sent, the mismatch found only at the end part).
+    #[tokio::test]
+    async fn no_chunk_goes_past_the_announced_length() {
+        use http_body_util::BodyExt;
+        let key = [7u8; 32];
+        let sealer = Sealer::new(&key, "name");
+        let chunk = |index: u64, data: &[u8]| {
+            let mut buffer = Sealer::chunk_buffer(data.len());
+            buffer.extend_from_slice(data);
+            bytes::Bytes::from(sealer.seal_chunk(index, 9, buffer))
+        };
+        let parts = [
+            chunk(1, b"abc"),
+            chunk(2, b"defgh"),
+            bytes::Bytes::from(sealer.seal_end(3, 9, true, 5, None)),
+        ];
+        let (mut feed, body) = Feed::channel::<http_body_util::Empty<bytes::Bytes>>(None);
+        let mut len = 0;
+        let ended = deliver(&sealer, &mut feed, 1, &parts, 9, &mut len, Some(5)).await;
+        assert!(matches!(ended, Some(Err(_))), "{ended:?}");
+        assert_eq!(len, 3, "only the bytes within the length were sent");
+        feed.send(Message::End).await;
+        drop(feed);
+        let sent = body.collect().await.map(|c| c.to_bytes());
+        assert_eq!(sent.ok().as_deref(), Some(&b"abc"[..]));
+        // Without a length (trailers), the end part's count still refuses the mismatch.
+        let (mut feed, _body) = Feed::channel::<http_body_util::Empty<bytes::Bytes>>(None);
+        let mut len = 0;
+        let ended = deliver(&sealer, &mut feed, 1, &parts, 9, &mut len, None).await;
+        assert!(matches!(ended, Some(Err(_))), "{ended:?}");
+    }
 
     #[test]
     fn the_current_header_policy_filters_stored_headers() {

@@ -18,19 +18,6 @@ fn fail(code: i32, message: impl std::fmt::Display) -> i32 {
     code
 }
 
-/// A Redis URL as shown in messages: its password masked.
-fn shown(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut parsed) => {
-            if parsed.password().is_some() {
-                let _ = parsed.set_password(Some("***"));
-            }
-            parsed.to_string()
-        }
-        Err(_) => "an unparsable URL".to_owned(),
-    }
-}
-
 /// The error with its sources, on one line.
 fn chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
@@ -76,7 +63,7 @@ pub(crate) async fn run(args: RunArgs) -> i32 {
         Err(e) => return fail(exit::USAGE, e),
     };
     if let Err(e) = client.prepare().await {
-        let shown: Vec<String> = urls.iter().map(|u| shown(u)).collect();
+        let shown: Vec<String> = urls.iter().map(|u| distlock::redact_url(u)).collect();
         // Reachable, but refusing what the lock needs (an ACL user without the commands, a
         // disabled command): a configuration to fix, not an outage.
         let (code, what) = match e {

@@ -197,6 +197,23 @@ async fn exit_codes_for_usage_unavailable_held_and_missing_commands() {
         "the password is masked: {}",
         out.stderr
     );
+    // Nor in a URL refused before anything is sent, in the userinfo or a query parameter.
+    for url in [
+        "redis://u:secret@127.0.0.1:1/notanumber",
+        "redis+unix:///nowhere/redis.sock?db=x&pass=secret",
+    ] {
+        let out = run({
+            let mut c = Command::new(BIN);
+            c.args(["run", "--redis", url, "--key", "k", "--", "true"])
+                .env_remove("REDIS_URL")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            c
+        })
+        .await;
+        assert_ne!(out.code, 0, "{url}: {}", out.stderr);
+        assert!(!out.stderr.contains("secret"), "{url}: {}", out.stderr);
+    }
 
     // Held by someone else past --wait: 75 with a message; CMD never runs.
     let client = lib_client(&server, &prefix).await;

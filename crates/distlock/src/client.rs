@@ -684,7 +684,7 @@ impl LockClientBuilder {
             .set_max_delay(Duration::from_millis(500));
         let conn = client
             .get_connection_manager_lazy(manager_config)
-            .map_err(|e| ConfigError::invalid("url", format!("{url:?}: {e}")))?;
+            .map_err(|e| ConfigError::invalid("url", format!("{}: {e}", crate::redact_url(url))))?;
         Ok((client, conn))
     }
 

@@ -304,8 +304,10 @@ impl SentinelConnectionBuilder {
         }
         let mut infos = Vec::with_capacity(self.sentinels.len());
         for url in &self.sentinels {
-            let info = redis::IntoConnectionInfo::into_connection_info(url.as_str())
-                .map_err(|e| ConfigError::invalid("sentinel", format!("{url:?}: {e}")))?;
+            let info =
+                redis::IntoConnectionInfo::into_connection_info(url.as_str()).map_err(|e| {
+                    ConfigError::invalid("sentinel", format!("{}: {e}", crate::redact_url(url)))
+                })?;
             infos.push(info);
         }
         let tls_sentinels = infos.iter().filter(|i| crate::tls::is_tls(i)).count();

@@ -159,13 +159,14 @@ pub(crate) fn quiet(info: redis::ConnectionInfo) -> redis::ConnectionInfo {
 
 /// A `redis::Client` for `url`, with `tls` applied to `rediss://` URLs.
 pub(crate) fn client(url: &str, tls: Option<&Tls>) -> Result<redis::Client, ConfigError> {
-    let invalid = |e: redis::RedisError| ConfigError::invalid("url", format!("{url:?}: {e}"));
+    let shown = crate::redact_url(url);
+    let invalid = |e: redis::RedisError| ConfigError::invalid("url", format!("{shown}: {e}"));
     let info = quiet(redis::IntoConnectionInfo::into_connection_info(url).map_err(invalid)?);
     if !is_tls(&info) {
         if tls.is_some() {
             return Err(ConfigError::invalid(
                 "url",
-                format!("{url:?}: TLS settings were given, but the URL is not rediss://"),
+                format!("{shown}: TLS settings were given, but the URL is not rediss://"),
             ));
         }
         return redis::Client::open(info).map_err(invalid);

@@ -525,10 +525,17 @@ impl MemoryBackend {
             _ => None,
         };
         let once = tag.is_some();
-        let has_state = store.entries.get(key).is_some_and(|e| e.state.is_some());
-        let new_slots = 1 + usize::from(once && !has_state);
-        let new_bytes =
-            if before.0 == 0 { key.len() } else { 0 } + tag.as_ref().map_or(0, Bytes::len);
+        let state = store.entries.get(key).and_then(|e| e.state.as_ref());
+        let new_slots = 1 + usize::from(once && state.is_none());
+        // A run-once acquisition replaces the state's tag and drops an abandoned writer's
+        // parts: what they hold comes back.
+        let freed = match (once, state) {
+            (true, Some(state)) => state.tag.as_ref().map_or(0, Bytes::len) + state.parts_bytes,
+            _ => 0,
+        };
+        let new_bytes = (if before.0 == 0 { key.len() } else { 0 }
+            + tag.as_ref().map_or(0, Bytes::len))
+        .saturating_sub(freed);
         if !store.make_room(&self.limits, new_slots, new_bytes, key, now) {
             return Err(capacity(op, &store));
         }
@@ -1263,6 +1270,34 @@ mod tests {
             let (counted, recounted) = b.evictable();
             assert_eq!(counted, recounted);
         }
+    }
+
+    /// A name whose abandoned writer left parts behind (its lease ran out) is acquired again on
+    /// a store whose bytes they fill: the acquisition drops them, so it needs no room (before:
+    /// it was counted as needing its tag's bytes on top, and refused with `Capacity`).
+    #[test]
+    fn acquiring_over_an_abandoned_stream_counts_what_it_drops() {
+        let b = MemoryBackend::new(MemoryLimits::new(100, 10_000).unwrap());
+        let mode = Mode::Once {
+            tag: Bytes::from_static(b"tag"),
+            retention: Duration::from_secs(60),
+        };
+        let a = op("a", mode.clone(), 20);
+        assert!(matches!(
+            b.acquire_now(&a).unwrap(),
+            Attempt::Acquired { .. }
+        ));
+        b.append_now(&a, 0, &[1; 5_000]).unwrap();
+        let fill = 10_000 - 1 - b.usage().1;
+        b.append_now(&a, 1, &vec![2; fill]).unwrap();
+        assert_eq!(b.usage().1, 9_999, "one byte short of the budget");
+        std::thread::sleep(Duration::from_millis(30)); // the lease runs out
+        let again = op("a", mode, 10_000);
+        let taken = b.acquire_now(&again);
+        assert!(matches!(taken, Ok(Attempt::Acquired { .. })), "{taken:?}");
+        assert!(b.usage().1 <= 10_000, "{:?}", b.usage());
+        let (counted, recounted) = b.evictable();
+        assert_eq!(counted, recounted);
     }
 
     /// A part, record or tag that cannot fit even with every idle record evicted is refused
