@@ -330,6 +330,13 @@ pub(crate) async fn acquire_until(
                 waiter = Some(registered);
             }
             Some(registered) => {
+                if woken && backend.rolls_back() {
+                    // Woken, and the lock was still held: on Redlock the wake may have been
+                    // another client's rolled-back attempt, woken in turn by ours. Back off
+                    // before listening again, so that such waiters do not keep each other
+                    // trying at the network's pace for as long as the lock is held.
+                    tokio::time::sleep(backoff.next_delay().min(left)).await;
+                }
                 let mut delay = if config.polling() {
                     backoff.next_delay().min(left)
                 } else {

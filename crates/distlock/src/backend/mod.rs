@@ -240,6 +240,12 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
     fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>>;
     /// Where waiters register for release notifications.
     fn waiters(&self) -> &Arc<waiters::Waiters>;
+    /// Whether a failed attempt is rolled back on the nodes it won (Redlock), announcing a
+    /// release that frees nothing the lock's holder had: a waiter woken by another client's
+    /// rollback backs off before it tries again.
+    fn rolls_back(&self) -> bool {
+        false
+    }
     /// A short description for logs ("redis", "memory", ...).
     fn describe(&self) -> String;
     /// Refuses a lock configuration this store cannot honour (a replica check or a node timeout

@@ -157,8 +157,13 @@ impl<C: Conn> RedlockBackend<C> {
         }
     }
 
-    /// Releases on every node (the failed ones too), best effort.
+    /// Rolls a failed attempt back on every node (the failed ones too), best effort. The
+    /// rollback announces the attempt's token as released; this client's waiters, the attempt's
+    /// own among them, are told it is no release of theirs to wake for (else a waiter whose
+    /// attempts keep winning a minority would wake itself and try again at once, for as long
+    /// as the lock is held).
     async fn release_all(&self, op: &Op) {
+        self.waiters.heard(op.token.as_str().as_bytes());
         let _ = self.fanout(op, |node| node.release(op)).await;
     }
 
@@ -398,6 +403,10 @@ impl<C: Conn> Backend for RedlockBackend<C> {
 
     fn waiters(&self) -> &Arc<Waiters> {
         &self.waiters
+    }
+
+    fn rolls_back(&self) -> bool {
+        true
     }
 
     fn describe(&self) -> String {

@@ -258,24 +258,31 @@ impl Waiters {
                 bump(&slot.appends);
                 return;
             }
-            if !token.is_empty() {
-                // Tokens are random: one list for every channel, kept while channels come and
-                // go (a slot is dropped with its last waiter, and made again by the next).
-                let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
-                if recent.iter().any(|t| t == token) {
-                    return;
-                }
-                let mut entry = if recent.len() == RECENT {
-                    recent.pop_front().unwrap_or_default()
-                } else {
-                    Vec::new()
-                };
-                entry.clear();
-                entry.extend_from_slice(token);
-                recent.push_back(entry);
+            if !token.is_empty() && !self.heard(token) {
+                return;
             }
             slot.notify.notify_one();
         }
+    }
+
+    /// Remembers `token`'s release as announced, so that its announcement, if it comes, wakes
+    /// no one; returns whether it was new. Tokens are random: one list for every channel, kept
+    /// while channels come and go (a slot is dropped with its last waiter, and made again by
+    /// the next).
+    pub(crate) fn heard(&self, token: &[u8]) -> bool {
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        if recent.iter().any(|t| t == token) {
+            return false;
+        }
+        let mut entry = if recent.len() == RECENT {
+            recent.pop_front().unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        entry.clear();
+        entry.extend_from_slice(token);
+        recent.push_back(entry);
+        true
     }
 
     /// A streamed record on `channel` grew: wakes every reader (a local shortcut; the store's
