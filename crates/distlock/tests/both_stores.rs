@@ -301,6 +301,17 @@ async fn exclusion_without_fencing(store: Store) {
             ..
         })
     ));
+    // A name a reentrant lock holds (a hash in Redis, not a string) is held for an unfenced
+    // acquisition too: `Held`, not a type error from checking whose it is.
+    let owner = OwnerId::random();
+    let _hold = client
+        .reentrant("mixed", &owner)
+        .unwrap()
+        .try_acquire()
+        .await
+        .unwrap();
+    let taken = client.lock("mixed").unwrap().try_acquire().await;
+    assert!(matches!(taken, Err(LockError::Held { .. })), "{taken:?}");
 }
 
 /// Owner O holds a reentrant lock with a 10 s lease and takes a second hold with a 300 ms lease

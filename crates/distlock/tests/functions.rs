@@ -244,3 +244,60 @@ async fn a_full_server_still_renews_releases_and_replays() {
         config_set(&server, "maxmemory", "0").await;
     }
 }
+
+/// An acquisition sent twice (redis-rs's cluster client resends a command whose connection
+/// broke before the reply came) is recognised by its own token: taken, with the fence the
+/// first run drew; the same for a run-once begin (before: the second run answered "held",
+/// so the lock stayed held for a whole lease under a token nobody held, and a run-once request
+/// was answered as its own duplicate).
+#[tokio::test]
+async fn an_acquisition_sent_twice_is_recognised_as_taken() {
+    let server = RedisServer::start_owned().await;
+    let mut r = server.connection().await;
+    let library = distlock::function_library();
+    let name = library
+        .lines()
+        .next()
+        .and_then(|l| l.strip_prefix("#!lua name="))
+        .expect("the library names itself");
+    let _: String = redis::cmd("FUNCTION")
+        .arg("LOAD")
+        .arg("REPLACE")
+        .arg(library)
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    let fcall = |function: &str, keys: &[&str], args: &[&str]| {
+        let mut cmd = redis::cmd("FCALL");
+        cmd.arg(format!("{name}_{function}"))
+            .arg(keys.len())
+            .arg(keys)
+            .arg(args);
+        cmd
+    };
+    let acquire = fcall(
+        "acquire",
+        &["app:{k}", "app:{k}:state"],
+        &["tok-1", "30000", "0"],
+    );
+    let first: i64 = acquire.query_async(&mut r).await.unwrap();
+    let again: i64 = acquire.query_async(&mut r).await.unwrap();
+    assert!(first >= 1, "taken: {first}");
+    assert_eq!(again, first, "the same attempt again: taken, same fence");
+    let other: i64 = fcall(
+        "acquire",
+        &["app:{k}", "app:{k}:state"],
+        &["tok-2", "30000", "0"],
+    )
+    .query_async(&mut r)
+    .await
+    .unwrap();
+    assert!(other < 0, "another token: held ({other})");
+
+    let keys = ["app:{o}", "app:{o}:state", "app:{o}:parts"];
+    let begin = fcall("begin", &keys, &["tok-3", "30000", "60000", "tag", "1000"]);
+    let first: Vec<redis::Value> = begin.query_async(&mut r).await.unwrap();
+    let again: Vec<redis::Value> = begin.query_async(&mut r).await.unwrap();
+    assert_eq!(first[0], redis::Value::Int(1), "taken: {first:?}");
+    assert_eq!(again, first, "the same attempt again: taken, same fence");
+}

@@ -363,7 +363,7 @@ impl<C: Conn> RedisBackend<C> {
         }
     }
 
-    /// An exclusive acquisition without a fencing token: `SET NX PX`, and `PTTL` for the case
+    /// An exclusive acquisition without a fencing token: `SET NX PX`, and `GET` + `PTTL` for the case
     /// it is held, in one round trip and no script.
     async fn acquire_unfenced(&self, op: &Op) -> Result<Attempt, LockError> {
         // One command when the lock is free (the common case); the holder's remaining lease,
@@ -382,11 +382,26 @@ impl<C: Conn> RedisBackend<C> {
         if set.is_some() {
             return Ok(Attempt::Acquired { fence: 0 });
         }
-        let pttl: i64 = redis::cmd("PTTL")
-            .arg(key)
+        // Whose it is, too: the `SET` sent again (a cluster client resends a command whose
+        // connection broke before its reply) finds this attempt's own token.
+        let checked: Result<(Option<String>, i64), _> = redis::pipe()
+            .get(key)
+            .pttl(key)
             .query_async(&mut conn)
-            .await
-            .map_err(|e| LockError::from_redis(op.name.as_str(), false, e))?;
+            .await;
+        let pttl = match checked {
+            Ok((holder, _)) if holder.as_deref() == Some(op.token.as_str()) => {
+                return Ok(Attempt::Acquired { fence: 0 });
+            }
+            Ok((_, pttl)) => pttl,
+            // Not a string: a reentrant lock of the same name holds it (a hash).
+            Err(e) if wrong_type(&e) => redis::cmd("PTTL")
+                .arg(key)
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| LockError::from_redis(op.name.as_str(), false, e))?,
+            Err(e) => return Err(LockError::from_redis(op.name.as_str(), false, e)),
+        };
         Ok(Attempt::held(match pttl {
             // Expired between the two commands (-2), or no expiry at all (-1).
             -2 => Some(Duration::ZERO),
@@ -687,6 +702,15 @@ impl<C: Conn> Backend for RedisBackend<C> {
             _ => Ok(()),
         }
     }
+}
+
+/// Whether Redis refused a command (alone or in a pipeline) for the key's type.
+fn wrong_type(error: &redis::RedisError) -> bool {
+    error.code() == Some("WRONGTYPE")
+        || error
+            .clone()
+            .into_server_errors()
+            .is_some_and(|errors| errors.iter().any(|(_, e)| e.code() == "WRONGTYPE"))
 }
 
 #[cfg(test)]

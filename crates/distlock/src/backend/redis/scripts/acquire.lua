@@ -8,12 +8,17 @@
 -- ARGV[3]  expiry of the state key in milliseconds, '0' to keep it
 --
 -- Returns the fence (>= 1) when taken. When another owner holds the lock, returns
--- -1 - pttl: -1 - the remaining lease in ms, or 0 if the lock has no expiry.
+-- -1 - pttl: -1 - the remaining lease in ms, or 0 if the lock has no expiry. The same call
+-- sent again (a cluster client resends a command whose connection broke before its reply)
+-- finds its own token: taken, with the fence it drew (nobody else drew one since).
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local fence = redis.call('HINCRBY', KEYS[2], 'n', '1')
   if ARGV[3] ~= '0' then
     redis.call('PEXPIRE', KEYS[2], ARGV[3])
   end
   return fence
+end
+if redis.pcall('GET', KEYS[1]) == ARGV[1] then
+  return tonumber(redis.call('HGET', KEYS[2], 'n'))
 end
 return -1 - redis.call('PTTL', KEYS[1])

@@ -37,5 +37,10 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return {1, fence}
 end
 local holder = redis.call('HMGET', KEYS[2], 'm', 'n')
+-- The same call sent again (a cluster client resends a command whose connection broke before
+-- its reply) finds its own token: taken, with the fence it drew.
+if redis.pcall('GET', KEYS[1]) == ARGV[1] then
+  return {1, tonumber(holder[2])}
+end
 return {0, redis.call('PTTL', KEYS[1]), holder[1] or '', tonumber(holder[2]) or 0,
   redis.call('LLEN', KEYS[3])}
