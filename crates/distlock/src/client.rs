@@ -783,6 +783,28 @@ mod tests {
         assert!(err.to_string().contains("Tokio runtime"), "{err}");
     }
 
+    /// Acquiring (or beginning a run-once record) under another executor than Tokio's is an
+    /// error that says so (before: a panic in the watchdog's spawn or a timer).
+    #[test]
+    fn acquiring_outside_a_runtime_is_an_error_not_a_panic() {
+        use std::future::Future;
+        use std::task::{Context, Poll, Waker};
+        let client = LockClient::memory();
+        let lock = client.lock("k").unwrap();
+        let once = client.once("o").unwrap();
+        let mut cx = Context::from_waker(Waker::noop());
+        let taken = std::pin::pin!(lock.try_acquire()).as_mut().poll(&mut cx);
+        assert!(
+            matches!(&taken, Poll::Ready(Err(crate::LockError::Config(e))) if e.to_string().contains("Tokio runtime")),
+            "{taken:?}"
+        );
+        let begun = std::pin::pin!(once.begin("")).as_mut().poll(&mut cx);
+        assert!(
+            matches!(&begun, Poll::Ready(Err(crate::LockError::Config(_)))),
+            "{begun:?}"
+        );
+    }
+
     /// A connection that never answers, made without a runtime.
     #[derive(Clone)]
     struct Nowhere;

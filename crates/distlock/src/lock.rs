@@ -284,6 +284,14 @@ pub(crate) async fn acquire_until(
     deadline: Option<Instant>,
     follow: bool,
 ) -> Result<(Attempt, Instant), LockError> {
+    // Timers and the watchdog's task are Tokio's: under another executor, say so rather than
+    // panic inside them.
+    if tokio::runtime::Handle::try_current().is_err() {
+        return Err(LockError::Config(crate::ConfigError::invalid(
+            "runtime",
+            "locks run on Tokio: acquire inside a Tokio runtime (#[tokio::main], or Runtime::enter)",
+        )));
+    }
     let Some(deadline) = deadline else {
         return attempt(backend, op, config).await;
     };
