@@ -655,7 +655,18 @@ impl LockClientBuilder {
         let mut names = Vec::with_capacity(urls.len());
         for url in urls {
             let (client, conn) = self.manager(url.as_ref())?;
-            names.push(client.get_connection_info().addr().to_string());
+            let name = client.get_connection_info().addr().to_string();
+            // One server named twice (another database number is the same server) would be
+            // counted as two votes: a quorum of one server, whose loss takes both.
+            if names.contains(&name) {
+                return Err(ConfigError::invalid(
+                    "redlock",
+                    format!(
+                        "{name} is named twice: Redlock needs independent masters, each counted once"
+                    ),
+                ));
+            }
+            names.push(name);
             self.notifications.push(Source::Client(Box::new(client)));
             conns.push(conn);
         }
@@ -802,6 +813,30 @@ mod tests {
         assert!(
             matches!(&begun, Poll::Ready(Err(crate::LockError::Config(_)))),
             "{begun:?}"
+        );
+    }
+
+    /// One server named twice for Redlock (here with another database number) is refused:
+    /// it would count as two votes (before: accepted, a quorum of two out of three reachable
+    /// on that one server).
+    #[tokio::test]
+    async fn redlock_refuses_a_server_named_twice() {
+        let err = LockClient::builder()
+            .connect_redlock(&[
+                "redis://127.0.0.1:1/",
+                "redis://127.0.0.1:2/",
+                "redis://127.0.0.1:1/3",
+            ])
+            .expect_err("the same server twice");
+        assert!(err.to_string().contains("named twice"), "{err}");
+        assert!(
+            LockClient::builder()
+                .connect_redlock(&[
+                    "redis://127.0.0.1:1/",
+                    "redis://127.0.0.1:2/",
+                    "redis://127.0.0.1:3/"
+                ])
+                .is_ok()
         );
     }
 
