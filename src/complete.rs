@@ -39,6 +39,21 @@ impl Run {
             vary,
         }
     }
+
+    /// A record in one part saying that this execution's outcome is unknown.
+    fn unknown_whole(&self) -> Vec<u8> {
+        let none = HeaderMap::new();
+        self.sealer().seal_whole(
+            &self.head(
+                Kind::Unknown,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                &none,
+                &none,
+            ),
+            &[],
+            None,
+        )
+    }
 }
 
 /// Stores a final response whole (nothing was appended): its status, kept headers, body
@@ -161,19 +176,7 @@ pub(crate) async fn unknown(run: Box<Run>, why: &str) {
                 "idempotency: outcome unknown; recorded, retries get outcome-unknown"
             );
             let record = match run.guard.appended() {
-                0 => {
-                    let none = HeaderMap::new();
-                    run.sealer().seal_whole(
-                        &run.head(
-                            Kind::Unknown,
-                            StatusCode::INTERNAL_SERVER_ERROR,
-                            &none,
-                            &none,
-                        ),
-                        &[],
-                        None,
-                    )
-                }
+                0 => run.unknown_whole(),
                 index => run.sealer().seal_unknown(index, fence),
             };
             store(run, &record, Event::Unknown).await;
@@ -231,17 +234,7 @@ pub(crate) async fn store_then(
             | LockError::TooLarge { .. }
             | LockError::Redis { .. }),
         ) if run.config.unknown_outcome == UnknownOutcome::Record => {
-            let none = HeaderMap::new();
-            let unknown = run.sealer().seal_whole(
-                &run.head(
-                    Kind::Unknown,
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    &none,
-                    &none,
-                ),
-                &[],
-                None,
-            );
+            let unknown = run.unknown_whole();
             match run.guard.complete_whole(&unknown).await {
                 Ok(()) => {
                     tracing::warn!(fence, %error, "idempotency: the outcome could not be stored; recorded as unknown, retries get outcome-unknown");

@@ -310,6 +310,16 @@ enum Source {
     Live(Box<Follower>),
 }
 
+impl Source {
+    /// The body's length, when it is known and announced.
+    fn length(&self) -> Option<u64> {
+        match self {
+            Source::Stored { length, .. } => *length,
+            Source::Live(_) => None,
+        }
+    }
+}
+
 /// A response whose body is read from the store part by part while the client reads it.
 fn streamed<B>(
     config: &Config,
@@ -320,10 +330,7 @@ fn streamed<B>(
 ) -> Response<ResponseBody<B>> {
     // Driven by the body: a client that reads nothing holds nothing.
     let (feed, mut body) = Feed::channel(None);
-    let length = match &source {
-        Source::Stored { length, .. } => *length,
-        Source::Live(_) => None,
-    };
+    let length = source.length();
     let reading = read(source, feed, *key, name.to_owned(), head.fence);
     // The body drives the reading while the client reads; dropping it stops the reading.
     let _ = body.drive(Execution::cancellable(Box::pin(reading)));
@@ -351,10 +358,7 @@ async fn read(mut source: Source, mut feed: Feed, key: [u8; 32], name: String, w
     let mut len = 0u64;
     // The announced length: no chunk may take the body past it (the server would cut the
     // body there, and the client would see a complete response).
-    let limit = match &source {
-        Source::Stored { length, .. } => *length,
-        Source::Live(_) => None,
-    };
+    let limit = source.length();
     // The next batch of a stored record, read ahead.
     let mut ahead: Option<Result<Vec<bytes::Bytes>, LockError>> = None;
     let outcome: Result<(), BoxError> = loop {
