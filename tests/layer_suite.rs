@@ -969,67 +969,51 @@ async fn the_suite_on_sentinel_across_a_failover() {
 /// `store-full` (with `Retry-After`) without running the handler.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_memory_store_evicts_outcomes_never_requests_in_flight() {
-    // Each key takes two entries while in flight (lease and state), one once stored.
-    let store =
-        tower_idempotency::Store::memory_with(distlock::MemoryLimits::new(4, 1 << 20).unwrap());
-    let (svc, probe) = app(&store, |b| b);
-    probe.close();
-    let first: Vec<_> = ["a", "b"]
-        .into_iter()
-        .map(|key| {
+    // Each key takes two entries while in flight (lease and state), one once stored. With
+    // fail-open too: it is for a store that cannot be reached, and a full one still answers
+    // 503 (before: the handler ran unprotected, and a duplicate of it ran again).
+    for open in [false, true] {
+        let store =
+            tower_idempotency::Store::memory_with(distlock::MemoryLimits::new(4, 1 << 20).unwrap());
+        let (svc, probe) = app(&store, |b| b.fail_open(open));
+        probe.close();
+        let first: Vec<_> = ["a", "b"]
+            .into_iter()
+            .map(|key| {
+                let svc = svc.clone();
+                tokio::spawn(async move { send(&svc, post_key("/things", key, "{}")).await })
+            })
+            .collect();
+        probe.started(2).await;
+        let third = {
             let svc = svc.clone();
-            tokio::spawn(async move { send(&svc, post_key("/things", key, "{}")).await })
+            tokio::spawn(async move { send(&svc, post_key("/things", "c", "{}")).await })
+        };
+        support::wait_until("the third request answered or ran", || {
+            third.is_finished() || probe.runs() > 2
         })
-        .collect();
-    probe.started(2).await;
-    let full = send(&svc, post_key("/things", "c", "{}")).await;
-    assert_eq!(full.status, StatusCode::SERVICE_UNAVAILABLE, "{full:?}");
-    assert_eq!(full.problem(), "store-full");
-    assert!(full.headers.contains_key("retry-after"), "{full:?}");
-    assert_eq!(probe.runs(), 2, "the refused request did not run");
-    probe.open();
-    for reply in first {
-        let reply = within("a request in flight", reply).await.unwrap();
-        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
-    }
-    let c = send(&svc, post_key("/things", "c", "{}")).await;
-    assert_eq!(
-        c.status,
-        StatusCode::CREATED,
-        "room once they are stored: {c:?}"
-    );
-
-    // Fail-open is for a store that cannot be reached: a full one still answers 503 (before:
-    // the handler ran unprotected, and a duplicate of it ran again).
-    let store =
-        tower_idempotency::Store::memory_with(distlock::MemoryLimits::new(4, 1 << 20).unwrap());
-    let (svc, probe) = app(&store, |b| b.fail_open(true));
-    probe.close();
-    let first: Vec<_> = ["a", "b"]
-        .into_iter()
-        .map(|key| {
-            let svc = svc.clone();
-            tokio::spawn(async move { send(&svc, post_key("/things", key, "{}")).await })
-        })
-        .collect();
-    probe.started(2).await;
-    let third = {
-        let svc = svc.clone();
-        tokio::spawn(async move { send(&svc, post_key("/things", "c", "{}")).await })
-    };
-    support::wait_until("the third request answered or ran", || {
-        third.is_finished() || probe.runs() > 2
-    })
-    .await;
-    assert_eq!(probe.runs(), 2, "the third request ran, unprotected");
-    let full = within("the third request", third).await.unwrap();
-    assert_eq!(full.status, StatusCode::SERVICE_UNAVAILABLE, "{full:?}");
-    assert_eq!(full.problem(), "store-full");
-    assert_eq!(probe.runs(), 2, "the refused request did not run");
-    probe.open();
-    for reply in first {
-        let reply = within("a request in flight", reply).await.unwrap();
-        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+        .await;
+        assert_eq!(
+            probe.runs(),
+            2,
+            "fail_open {open}: the third request ran, unprotected"
+        );
+        let full = within("the third request", third).await.unwrap();
+        assert_eq!(full.status, StatusCode::SERVICE_UNAVAILABLE, "{full:?}");
+        assert_eq!(full.problem(), "store-full");
+        assert!(full.headers.contains_key("retry-after"), "{full:?}");
+        assert_eq!(probe.runs(), 2, "the refused request did not run");
+        probe.open();
+        for reply in first {
+            let reply = within("a request in flight", reply).await.unwrap();
+            assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+        }
+        let c = send(&svc, post_key("/things", "c", "{}")).await;
+        assert_eq!(
+            c.status,
+            StatusCode::CREATED,
+            "room once they are stored: {c:?}"
+        );
     }
 
     // A record the store cannot hold even empty (a 6 KB response, a 4 KiB budget) evicts no

@@ -465,6 +465,22 @@ async fn a_lease_lost_mid_stream_stops_the_record_and_breaks_joiners_off() {
     assert_eq!(t.runs(), 2);
 }
 
+/// The one streamed record `s` holds in Redis: a connection to its server, the key of its parts
+/// list, and the parts.
+async fn stored_parts(
+    s: &TestStore,
+) -> (::redis::aio::MultiplexedConnection, String, Vec<Vec<u8>>) {
+    use ::redis::AsyncCommands;
+    let mut r = s.server.as_ref().unwrap().connection().await;
+    let lists: Vec<String> = r
+        .keys(format!("{}:*:parts", s.store.client().prefix()))
+        .await
+        .unwrap();
+    assert_eq!(lists.len(), 1, "{lists:?}");
+    let parts: Vec<Vec<u8>> = r.lrange(&lists[0], 0, -1).await.unwrap();
+    (r, lists[0].clone(), parts)
+}
+
 /// A stored streamed record replayed to an HTTP/1.0 client (nginx speaks HTTP/1.0 to its
 /// upstreams by default), whose body breaks off (a part altered in Redis): such a client has no
 /// chunked encoding to tell a break from an end, so the replay announces its length, known from
@@ -499,20 +515,13 @@ async fn a_replay_that_breaks_off_is_visible_to_an_http_1_0_client() {
         "{head}"
     );
     assert!(!whole.is_empty());
-    let server = s.server.as_ref().unwrap();
-    let mut r = server.connection().await;
-    let lists: Vec<String> = r
-        .keys(format!("{}:*:parts", s.store.client().prefix()))
-        .await
-        .unwrap();
-    assert_eq!(lists.len(), 1, "{lists:?}");
-    let parts: Vec<Vec<u8>> = r.lrange(&lists[0], 0, -1).await.unwrap();
+    let (mut r, list, parts) = stored_parts(&s).await;
     assert!(parts.len() > 9, "three batches: {}", parts.len());
     // A part of the last batch altered: the first batches go out, then the body breaks off.
     let late = parts.len() - 2;
     let mut altered = parts[late].clone();
     altered[10] ^= 1;
-    let _: () = r.lset(&lists[0], late as isize, &altered).await.unwrap();
+    let _: () = r.lset(&list, late as isize, &altered).await.unwrap();
     let (head, body) = post().await;
     assert!(head.contains("idempotent-replayed: true"), "{head}");
     assert!(
@@ -544,14 +553,7 @@ async fn a_corrupt_or_missing_chunk_is_reported_never_replayed_short() {
         .await
         .unwrap();
     let (whole, _) = read_all(first.into_body()).await.unwrap();
-    let server = s.server.as_ref().unwrap();
-    let mut r = server.connection().await;
-    let lists: Vec<String> = r
-        .keys(format!("{}:*:parts", s.store.client().prefix()))
-        .await
-        .unwrap();
-    assert_eq!(lists.len(), 1, "{lists:?}");
-    let parts: Vec<Vec<u8>> = r.lrange(&lists[0], 0, -1).await.unwrap();
+    let (mut r, list, parts) = stored_parts(&s).await;
     assert!(parts.len() >= 4, "head, chunks, end: {}", parts.len());
     let replay = || async {
         let response = app
@@ -573,18 +575,18 @@ async fn a_corrupt_or_missing_chunk_is_reported_never_replayed_short() {
     let mut altered = parts[1].clone();
     let last = altered.len() - 1;
     altered[last] ^= 1;
-    let _: () = r.lset(&lists[0], 1, &altered).await.unwrap();
+    let _: () = r.lset(&list, 1, &altered).await.unwrap();
     assert!(
         replay().await.is_err(),
         "an altered chunk breaks the body off"
     );
     // Two chunks swapped.
-    let _: () = r.lset(&lists[0], 1, &parts[2]).await.unwrap();
-    let _: () = r.lset(&lists[0], 2, &parts[1]).await.unwrap();
+    let _: () = r.lset(&list, 1, &parts[2]).await.unwrap();
+    let _: () = r.lset(&list, 2, &parts[1]).await.unwrap();
     assert!(replay().await.is_err(), "swapped chunks break the body off");
     // A chunk altered in the last batch, read ahead while the first batches were being sent.
-    let _: () = r.lset(&lists[0], 1, &parts[1]).await.unwrap();
-    let _: () = r.lset(&lists[0], 2, &parts[2]).await.unwrap();
+    let _: () = r.lset(&list, 1, &parts[1]).await.unwrap();
+    let _: () = r.lset(&list, 2, &parts[2]).await.unwrap();
     assert!(
         parts.len() > 9,
         "the record spans three batches of four parts: {}",
@@ -593,18 +595,15 @@ async fn a_corrupt_or_missing_chunk_is_reported_never_replayed_short() {
     let late = parts.len() - 2;
     let mut altered = parts[late].clone();
     altered[10] ^= 1;
-    let _: () = r.lset(&lists[0], late as isize, &altered).await.unwrap();
+    let _: () = r.lset(&list, late as isize, &altered).await.unwrap();
     assert!(
         replay().await.is_err(),
         "an altered chunk in a batch read ahead breaks the body off"
     );
-    let _: () = r
-        .lset(&lists[0], late as isize, &parts[late])
-        .await
-        .unwrap();
+    let _: () = r.lset(&list, late as isize, &parts[late]).await.unwrap();
     assert_eq!(replay().await.unwrap().0, whole, "restored: replayed whole");
     // A chunk missing (the list shorter than the record says).
-    let _: i64 = r.lrem(&lists[0], 1, &parts[2]).await.unwrap();
+    let _: i64 = r.lrem(&list, 1, &parts[2]).await.unwrap();
     let missing = replay().await;
     assert_eq!(
         missing,

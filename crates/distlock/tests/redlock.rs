@@ -1036,6 +1036,21 @@ async fn a_late_background_raise_never_lowers_a_fence() {
     assert!(guard.release().await.unwrap());
 }
 
+/// `key` held on `nodes` by another owner for `px_ms`.
+async fn held_elsewhere(nodes: &[RedisServer], key: &str, px_ms: u64) {
+    for node in nodes {
+        let mut c = node.connection().await;
+        let _: () = redis::cmd("SET")
+            .arg(key)
+            .arg("someone-else")
+            .arg("PX")
+            .arg(px_ms)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    }
+}
+
 /// A split vote is rolled back on the nodes it won, and the rollback announces the attempt's
 /// token as released. The attempt that later wins must hold the lock under a token of its own:
 /// under the same one, its release would look like that old announcement heard again and wake
@@ -1053,17 +1068,7 @@ async fn a_release_after_a_split_vote_still_wakes_the_next_waiter() {
     let lock = client.lock("k").unwrap();
     let key = lock.name().lock_key().to_owned();
     // Two nodes held briefly by someone else: the first attempt wins one node of three.
-    for node in &n[..2] {
-        let mut c = node.connection().await;
-        let _: () = redis::cmd("SET")
-            .arg(&key)
-            .arg("someone-else")
-            .arg("PX")
-            .arg(400)
-            .query_async(&mut c)
-            .await
-            .unwrap();
-    }
+    held_elsewhere(&n[..2], &key, 400).await;
     let first = tokio::time::timeout(
         Duration::from_secs(10),
         lock.acquire(Duration::from_secs(5)),
@@ -1105,17 +1110,7 @@ async fn rollbacks_do_not_make_waiters_spin() {
     let b = redlock_with(&n, &prefix, config, ms(500)).await;
     let key = a.lock("k").unwrap().name().lock_key().to_owned();
     // Held by someone else on two nodes for 3 s; the third is free.
-    for node in &n[..2] {
-        let mut c = node.connection().await;
-        let _: () = redis::cmd("SET")
-            .arg(&key)
-            .arg("someone-else")
-            .arg("PX")
-            .arg(3_000)
-            .query_async(&mut c)
-            .await
-            .unwrap();
-    }
+    held_elsewhere(&n[..2], &key, 3_000).await;
     let before = n[2].script_calls().await;
     let waiters: Vec<_> = [a, b]
         .into_iter()
