@@ -10,6 +10,7 @@
 //! (Redis keeps a counter per name because there the counter must survive in the lock's own hash
 //! slot; in one process a single counter is cheaper and stronger.)
 
+use std::collections::hash_map::Entry::Occupied;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -225,11 +226,19 @@ impl Entry {
 /// and hashes these keys several times faster than SipHash.
 type Entries = HashMap<Arc<str>, Entry, foldhash::fast::RandomState>;
 
-/// The store. Every index is exact (one entry per lock or state, moved when it changes), so a
-/// sweep, and an eviction, costs O(log n) at any fill level.
+/// The store: the entries, and what is counted and indexed about them.
 #[derive(Debug, Default)]
 struct Store {
     entries: Entries,
+    ix: Index,
+}
+
+/// Counts and indexes over the entries. Every index is exact (one entry per lock or state,
+/// moved when it changes), so a sweep, and an eviction, costs O(log n) at any fill level.
+/// Apart from the map, so that an entry borrowed from the map can be settled without a second
+/// lookup.
+#[derive(Debug, Default)]
+struct Index {
     /// Locks plus states (the entry bound counts both).
     slots: usize,
     /// Every lock, by expiry.
@@ -252,27 +261,22 @@ struct Store {
 /// How often a store evicting state before its expiry says so.
 const EVICTION_WARNING_EVERY: Duration = Duration::from_secs(60);
 
-impl Store {
+impl Index {
     /// The next fencing token (saturating: 2^64 acquisitions are not reached).
     fn next_fence(&mut self) -> u64 {
         self.fence = self.fence.saturating_add(1);
         self.fence
     }
 
-    fn footprint(&self, key: &str) -> (usize, usize) {
-        self.entries
-            .get(key)
-            .map_or((0, 0), |e| (e.slots(), e.bytes()))
+    /// Whether `slots` more locks or states and `bytes` more bytes fit without evicting.
+    fn fits(&self, limits: &MemoryLimits, slots: usize, bytes: usize) -> bool {
+        self.slots + slots <= limits.max_entries && self.bytes + bytes <= limits.max_bytes
     }
 
-    /// Settles a change to one entry: accounts for it, moves it in the indexes, and drops it
-    /// when it is empty. Every change to an entry ends here.
-    fn settle(&mut self, key: &str, before: (usize, usize)) {
-        let Some(entry) = self.entries.get_mut(key) else {
-            self.slots -= before.0;
-            self.bytes -= before.1;
-            return;
-        };
+    /// Settles a change to `entry`, which counted `before` (slots, bytes) until it: accounts
+    /// for it and moves it in the indexes. Returns whether the entry is empty now (the caller
+    /// drops it from the map). Every change to an entry ends here.
+    fn settle(&mut self, entry: &mut Entry, before: (usize, usize)) -> bool {
         let after = (entry.slots(), entry.bytes());
         self.slots = self.slots + after.0 - before.0;
         self.bytes = self.bytes + after.1 - before.1;
@@ -324,9 +328,30 @@ impl Store {
                 entry.indexed.state = Some(((at, self.seq), place));
             }
         }
-        if after.0 == 0 {
-            self.entries.remove(key);
+        after.0 == 0
+    }
+}
+
+impl Store {
+    /// Drops the lock (`lock`) or the state of the entry under `key`, whose place in its index
+    /// the caller already took out, and settles it (one lookup).
+    fn drop_indexed(&mut self, key: Arc<str>, lock: bool) -> bool {
+        let Occupied(mut slot) = self.entries.entry(key) else {
+            return false;
+        };
+        let entry = slot.get_mut();
+        let before = (entry.slots(), entry.bytes());
+        if lock {
+            entry.indexed.lock = None;
+            entry.lock = None;
+        } else {
+            entry.indexed.state = None;
+            entry.state = None;
         }
+        if self.ix.settle(entry, before) {
+            slot.remove();
+        }
+        true
     }
 
     /// Drops everything that expired by `now`.
@@ -338,64 +363,49 @@ impl Store {
                     .map(|(at, _)| *at)
                     .filter(|at| at.0 <= now)
             };
-            let (lock, idle, busy) = (first(&self.locks), first(&self.idle), first(&self.busy));
+            let ix = &mut self.ix;
+            let (lock, idle, busy) = (first(&ix.locks), first(&ix.idle), first(&ix.busy));
             let Some(at) = [lock, idle, busy].into_iter().flatten().min() else {
                 break;
             };
             let (index, is_lock) = if Some(at) == lock {
-                (&mut self.locks, true)
+                (&mut ix.locks, true)
             } else if Some(at) == idle {
-                (&mut self.idle, false)
+                (&mut ix.idle, false)
             } else {
-                (&mut self.busy, false)
+                (&mut ix.busy, false)
             };
             let Some(key) = index.remove(&at) else { break };
-            let before = self.footprint(&key);
-            let Some(entry) = self.entries.get_mut(&*key) else {
-                continue;
-            };
-            if is_lock {
-                entry.indexed.lock = None;
-                entry.lock = None;
-            } else {
-                entry.indexed.state = None;
-                entry.state = None;
-            }
-            self.settle(&key, before);
+            self.drop_indexed(key, is_lock);
         }
     }
 
     /// Makes room for `slots` more locks or states and `bytes` more bytes, evicting idle state
-    /// in order of expiry, never the state of `keep` (the entry the room is for). Returns false,
-    /// having evicted nothing, if even evicting every other idle state would not make the room.
+    /// in order of expiry, never the state of `keep` (the entry the room is for, which counts
+    /// `kept` as evictable). Returns false, having evicted nothing, if even evicting every other
+    /// idle state would not make the room.
     fn make_room(
         &mut self,
         limits: &MemoryLimits,
-        slots: usize,
-        bytes: usize,
+        (slots, bytes): (usize, usize),
         keep: &str,
+        kept: (usize, usize),
         now: Instant,
     ) -> bool {
-        let fits = |s: &Store| {
-            s.slots + slots <= limits.max_entries && s.bytes + bytes <= limits.max_bytes
-        };
-        if fits(self) {
+        if self.ix.fits(limits, slots, bytes) {
             return true;
         }
         self.sweep(now);
-        let kept = self
-            .entries
-            .get(keep)
-            .map_or((0, 0), |e| e.indexed.evictable);
-        let free_slots = self.evictable.0.saturating_sub(kept.0);
-        let free_bytes = self.evictable.1.saturating_sub(kept.1);
-        if self.slots.saturating_sub(free_slots) + slots > limits.max_entries
-            || self.bytes.saturating_sub(free_bytes) + bytes > limits.max_bytes
+        let free_slots = self.ix.evictable.0.saturating_sub(kept.0);
+        let free_bytes = self.ix.evictable.1.saturating_sub(kept.1);
+        if self.ix.slots.saturating_sub(free_slots) + slots > limits.max_entries
+            || self.ix.bytes.saturating_sub(free_bytes) + bytes > limits.max_bytes
         {
             return false;
         }
-        while !fits(self) {
+        while !self.ix.fits(limits, slots, bytes) {
             let Some(at) = self
+                .ix
                 .idle
                 .iter()
                 .find(|(_, key)| &***key != keep)
@@ -403,24 +413,21 @@ impl Store {
             else {
                 break;
             };
-            let Some(key) = self.idle.remove(&at) else {
+            let Some(key) = self.ix.idle.remove(&at) else {
                 break;
             };
-            let before = self.footprint(&key);
-            let Some(entry) = self.entries.get_mut(&*key) else {
+            if !self.drop_indexed(key, false) {
                 continue;
-            };
-            entry.indexed.state = None;
-            entry.state = None;
-            self.settle(&key, before);
-            self.evicted += 1;
+            }
+            self.ix.evicted += 1;
             if self
+                .ix
                 .warned
                 .is_none_or(|at| now.saturating_duration_since(at) >= EVICTION_WARNING_EVERY)
             {
-                self.warned = Some(now);
+                self.ix.warned = Some(now);
                 tracing::warn!(
-                    evicted = self.evicted,
+                    evicted = self.ix.evicted,
                     max_entries = limits.max_entries,
                     max_bytes = limits.max_bytes,
                     "in-memory lock store full: evicting idle state before its expiry \
@@ -428,7 +435,7 @@ impl Store {
                 );
             }
         }
-        fits(self)
+        self.ix.fits(limits, slots, bytes)
     }
 }
 
@@ -448,7 +455,7 @@ fn state_ttl(op: &Op) -> Option<Duration> {
 fn capacity(op: &Op, store: &Store) -> LockError {
     LockError::Capacity {
         name: op.name.as_str().to_owned(),
-        entries: store.slots,
+        entries: store.ix.slots,
     }
 }
 
@@ -479,74 +486,68 @@ impl MemoryBackend {
         store.sweep(now);
         let key = op.name.lock_key();
         let once = matches!(op.mode, Mode::Once { .. });
-        if let Some(entry) = store.entries.get_mut(key) {
-            if once && let Some(record) = entry.state.as_ref().and_then(MemState::done) {
-                return Ok(Attempt::Done { record });
-            }
-            let tag = if once {
-                Some(
-                    entry
-                        .state
-                        .as_ref()
-                        .and_then(|s| s.tag.clone())
-                        .unwrap_or_default(),
-                )
-            } else {
-                None
-            };
-            let parts = entry.state.as_ref().map_or(0, |s| s.parts.len() as u64);
-            if let Some(lock) = entry.lock.as_mut().filter(|l| l.expires > now) {
-                let ttl = Some(lock.expires - now);
-                let fence = lock.fence;
-                return match (&mut lock.holder, &op.mode) {
-                    (Holder::Reentrant { owner, holds }, Mode::Reentrant { owner: me })
-                        if owner == me =>
+        let Store { entries, ix } = &mut *store;
+        // What the entry counts for, what of it is evictable, and (if it has a state) what a
+        // run-once acquisition frees of it: the tag it replaces and an abandoned writer's parts.
+        let (before, kept, state) = match entries.get_mut(key) {
+            None => ((0, 0), (0, 0), None),
+            Some(entry) => {
+                if once && let Some(record) = entry.state.as_ref().and_then(MemState::done) {
+                    return Ok(Attempt::Done { record });
+                }
+                let before = (entry.slots(), entry.bytes());
+                if let Some(lock) = entry.lock.as_mut().filter(|l| l.expires > now) {
+                    let (ttl, fence) = (lock.expires - now, lock.fence);
+                    if let (Holder::Reentrant { owner, holds }, Mode::Reentrant { owner: me }) =
+                        (&mut lock.holder, &op.mode)
+                        && owner == me
                     {
                         holds.insert(op.token);
                         lock.expires = lock.expires.max(now + op.lease);
-                        let before = (entry.slots(), entry.bytes());
-                        store.settle(key, before);
-                        Ok(Attempt::Acquired { fence })
+                        ix.settle(entry, before);
+                        return Ok(Attempt::Acquired { fence });
                     }
-                    _ => Ok(Attempt::Held {
-                        ttl,
-                        tag,
+                    let state = entry.state.as_ref();
+                    return Ok(Attempt::Held {
+                        ttl: Some(ttl),
+                        tag: once.then(|| state.and_then(|s| s.tag.clone()).unwrap_or_default()),
                         fence: if once { fence } else { 0 },
-                        parts: if once { parts } else { 0 },
-                    }),
-                };
+                        parts: match state {
+                            Some(s) if once => s.parts.len() as u64,
+                            _ => 0,
+                        },
+                    });
+                }
+                let state = entry
+                    .state
+                    .as_ref()
+                    .map(|s| s.tag.as_ref().map_or(0, Bytes::len) + s.parts_bytes);
+                (before, entry.indexed.evictable, state)
             }
-        }
+        };
         // Free (or expired but not swept yet).
         let fenced = op.fencing || !matches!(op.mode, Mode::Exclusive);
-        let before = store.footprint(key);
         let tag = match &op.mode {
             Mode::Once { tag, .. } => Some(tag.clone()),
             _ => None,
         };
-        let once = tag.is_some();
-        let state = store.entries.get(key).and_then(|e| e.state.as_ref());
         let new_slots = 1 + usize::from(once && state.is_none());
-        // A run-once acquisition replaces the state's tag and drops an abandoned writer's
-        // parts: what they hold comes back.
-        let freed = match (once, state) {
-            (true, Some(state)) => state.tag.as_ref().map_or(0, Bytes::len) + state.parts_bytes,
-            _ => 0,
-        };
+        let freed = if once { state.unwrap_or(0) } else { 0 };
         let new_bytes = (if before.0 == 0 { key.len() } else { 0 }
             + tag.as_ref().map_or(0, Bytes::len))
         .saturating_sub(freed);
-        if !store.make_room(&self.limits, new_slots, new_bytes, key, now) {
+        // Making room never evicts this entry (nor changes it: everything expired by `now` is
+        // swept already), so `before` still holds.
+        if !store.make_room(&self.limits, (new_slots, new_bytes), key, kept, now) {
             return Err(capacity(op, &store));
         }
-        let before = store.footprint(key);
-        let fence = if fenced { store.next_fence() } else { 0 };
-        let entry = match store.entries.get_mut(key) {
+        let Store { entries, ix } = &mut *store;
+        let fence = if fenced { ix.next_fence() } else { 0 };
+        let entry = match entries.get_mut(key) {
             Some(entry) => entry,
             None => {
                 let shared: Arc<str> = Arc::from(key);
-                store
-                    .entries
+                entries
                     .entry(shared.clone())
                     .or_insert_with(|| Entry::new(shared))
             }
@@ -572,7 +573,7 @@ impl MemoryBackend {
             fence,
             expires: now + op.lease,
         });
-        store.settle(key, before);
+        ix.settle(entry, before);
         Ok(Attempt::Acquired { fence })
     }
 
@@ -586,25 +587,22 @@ impl MemoryBackend {
         }
     }
 
-    /// The entry's shared key, if its lock is alive and ours.
-    fn owned(store: &Store, op: &Op, now: Instant) -> Option<Arc<str>> {
-        let (key, entry) = store.entries.get_key_value(op.name.lock_key())?;
-        entry
-            .live_lock(now)
-            .is_some_and(|l| Self::owns(l, op))
-            .then(|| key.clone())
+    /// Whether `entry` holds a live lock of `op`'s.
+    fn owned(entry: &Entry, op: &Op, now: Instant) -> bool {
+        entry.live_lock(now).is_some_and(|l| Self::owns(l, op))
     }
 
     fn extend_now(&self, op: &Op, lease: Duration) -> bool {
         let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
-        let Some(key) = Self::owned(&store, op, now) else {
+        let key = op.name.lock_key();
+        let Store { entries, ix } = &mut *store;
+        let Some(entry) = entries.get_mut(key).filter(|e| Self::owned(e, op, now)) else {
             return false;
         };
         let ttl = state_ttl(op);
-        let before = store.footprint(&key);
-        let entry = store.entries.get_mut(&*key).expect("owned");
+        let before = (entry.slots(), entry.bytes());
         let mut expires = now + lease;
         if let Some(lock) = entry.lock.as_mut() {
             if let Holder::Reentrant { .. } = lock.holder {
@@ -617,7 +615,9 @@ impl MemoryBackend {
         if let (Some(state), Some(ttl)) = (entry.state.as_mut(), ttl) {
             state.expires = Some(crate::clock::after(now, ttl));
         }
-        store.settle(&key, before);
+        if ix.settle(entry, before) {
+            entries.remove(key);
+        }
         true
     }
 
@@ -625,11 +625,12 @@ impl MemoryBackend {
         let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
-        let Some(key) = Self::owned(&store, op, now) else {
+        let key = op.name.lock_key();
+        let Store { entries, ix } = &mut *store;
+        let Some(entry) = entries.get_mut(key).filter(|e| Self::owned(e, op, now)) else {
             return false;
         };
-        let before = store.footprint(&key);
-        let entry = store.entries.get_mut(&*key).expect("owned");
+        let before = (entry.slots(), entry.bytes());
         let last = match entry.lock.as_mut().map(|l| &mut l.holder) {
             Some(Holder::Reentrant { holds, .. }) => {
                 holds.remove(&op.token);
@@ -643,7 +644,9 @@ impl MemoryBackend {
                 // No record: what was appended goes with the lock.
                 state.clear_parts();
             }
-            store.settle(&key, before);
+            if ix.settle(entry, before) {
+                entries.remove(key);
+            }
             drop(store);
             self.waiters
                 .wake(op.name.channel(), op.token.as_str().as_bytes());
@@ -655,21 +658,18 @@ impl MemoryBackend {
         let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
-        let Some(key) = Self::owned(&store, op, now) else {
-            let mine = store
-                .entries
-                .get(op.name.lock_key())
+        let key = op.name.lock_key();
+        let entry = store.entries.get(key);
+        let Some(entry) = entry.filter(|e| Self::owned(e, op, now)) else {
+            let mine = entry
                 .and_then(|e| e.state.as_ref())
                 .and_then(|s| s.completed_by)
                 .is_some_and(|t| t == op.token);
             return Ok(mine);
         };
-        let before = store.footprint(&key);
+        let before = (entry.slots(), entry.bytes());
         let replace = appended == super::REPLACE_PARTS;
-        let stored = store.entries[&*key]
-            .state
-            .as_ref()
-            .map_or(0, |s| s.parts.len() as u64);
+        let stored = entry.state.as_ref().map_or(0, |s| s.parts.len() as u64);
         if stored != appended && !replace {
             return Err(LockError::broken(
                 op.name.as_str(),
@@ -678,16 +678,18 @@ impl MemoryBackend {
         }
         // A whole record replaces the tag (and, replacing, the parts); a last part comes on top
         // of the others.
-        let old = store.entries[&*key].state.as_ref().map_or(0, |s| {
+        let old = entry.state.as_ref().map_or(0, |s| {
             s.tag.as_ref().map_or(0, Bytes::len) + if replace { s.parts_bytes } else { 0 }
         });
-        if !store.make_room(&self.limits, 0, record.len().saturating_sub(old), &key, now) {
+        let kept = entry.indexed.evictable;
+        let room = (0, record.len().saturating_sub(old));
+        if !store.make_room(&self.limits, room, key, kept, now) {
             return Err(capacity(op, &store));
         }
         let ttl = state_ttl(op);
-        let entry = store
-            .entries
-            .get_mut(&*key)
+        let Store { entries, ix } = &mut *store;
+        let entry = entries
+            .get_mut(key)
             .expect("owned, and never evicted while held");
         let state = entry.holder_state();
         if appended == 0 || replace {
@@ -701,7 +703,9 @@ impl MemoryBackend {
         state.tag = None;
         state.expires = ttl.map(|ttl| crate::clock::after(now, ttl));
         entry.lock = None;
-        store.settle(&key, before);
+        if ix.settle(entry, before) {
+            entries.remove(key);
+        }
         drop(store);
         self.waiters
             .wake(op.name.channel(), op.token.as_str().as_bytes());
@@ -712,11 +716,12 @@ impl MemoryBackend {
         let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
-        let Some(key) = Self::owned(&store, op, now) else {
+        let key = op.name.lock_key();
+        let Some(entry) = store.entries.get(key).filter(|e| Self::owned(e, op, now)) else {
             return Ok(Appended::NotOwner);
         };
-        let before = store.footprint(&key);
-        let (len, same) = store.entries[&*key].state.as_ref().map_or((0, false), |s| {
+        let before = (entry.slots(), entry.bytes());
+        let (len, same) = entry.state.as_ref().map_or((0, false), |s| {
             let same = usize::try_from(index)
                 .ok()
                 .and_then(|i| s.parts.get(i))
@@ -730,12 +735,13 @@ impl MemoryBackend {
         } else {
             return Ok(Appended::Mismatch { len });
         };
-        if push && !store.make_room(&self.limits, 0, part.len(), &key, now) {
+        let kept = entry.indexed.evictable;
+        if push && !store.make_room(&self.limits, (0, part.len()), key, kept, now) {
             return Err(capacity(op, &store));
         }
-        let entry = store
-            .entries
-            .get_mut(&*key)
+        let Store { entries, ix } = &mut *store;
+        let entry = entries
+            .get_mut(key)
             .expect("owned, and never evicted while held");
         let state = entry.holder_state();
         if push {
@@ -743,7 +749,9 @@ impl MemoryBackend {
         }
         // Every part lives as long as the record would.
         state.expires = state_ttl(op).map(|ttl| crate::clock::after(now, ttl));
-        store.settle(&key, before);
+        if ix.settle(entry, before) {
+            entries.remove(key);
+        }
         Ok(Appended::Stored)
     }
 
@@ -813,14 +821,14 @@ impl MemoryBackend {
     #[cfg(test)]
     fn usage(&self) -> (usize, usize, u64) {
         let s = self.store();
-        (s.slots, s.bytes, s.evicted)
+        (s.ix.slots, s.ix.bytes, s.ix.evicted)
     }
 
     /// Entries in the expiry and eviction indexes (for tests).
     #[cfg(test)]
     fn indexed(&self) -> usize {
         let s = self.store();
-        s.locks.len() + s.idle.len() + s.busy.len()
+        s.ix.locks.len() + s.ix.idle.len() + s.ix.busy.len()
     }
 
     /// The idle entries' slots and bytes as counted, and as recounted from scratch (for tests).
@@ -832,7 +840,7 @@ impl MemoryBackend {
             .values()
             .filter(|e| e.lock.is_none() && e.state.is_some())
             .fold((0, 0), |(n, b), e| (n + e.slots(), b + e.bytes()));
-        (s.evictable, recounted)
+        (s.ix.evictable, recounted)
     }
 }
 
