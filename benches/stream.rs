@@ -39,14 +39,18 @@ static HEAP: PeakAlloc = PeakAlloc;
 const CHUNK: usize = 64 * 1024;
 static DATA: [u8; CHUNK] = [b'x'; CHUNK];
 
+/// Events of [`sse`], and the time between two.
+const EVENTS: u32 = 6;
+const EVENT_GAP: Duration = Duration::from_millis(2);
+
 /// Server-sent events: the first at once, five more 2 ms apart.
 async fn sse() -> Response {
     let events = futures_util::stream::unfold(0u32, |i| async move {
-        if i == 6 {
+        if i == EVENTS {
             return None;
         }
         if i > 0 {
-            tokio::time::sleep(Duration::from_millis(2)).await;
+            tokio::time::sleep(EVENT_GAP).await;
         }
         let event = Bytes::from(format!("data: event {i}\n\n"));
         Some((Ok::<_, Infallible>(Frame::data(event)), i + 1))
@@ -96,12 +100,23 @@ fn request(addr: SocketAddr, path: &str, key: &str) -> http::Request<Empty<Bytes
         .unwrap()
 }
 
-/// Median time from sending a request to its first body byte, over `n` new keys.
-async fn ttfb(addr: SocketAddr, tag: &str, n: usize) -> f64 {
+/// Median time from sending a request to its first body byte, over `n` new keys; and the
+/// median time the server had been idle when each request (after the first) came: from the
+/// handler's last event of the one before (the first byte's arrival, plus the events' span)
+/// to sending it. That is about 30 ms here, not the events' 2 ms: `axum::serve` leaves
+/// Nagle's algorithm on, so every event after the first, and the end, wait in the kernel for
+/// the client's delayed ACK, in every variant alike (the client cannot see the server's last
+/// write: the events arrive together with the end).
+async fn ttfb(addr: SocketAddr, tag: &str, n: usize) -> (f64, f64) {
     let mut sender = connect(addr).await;
     let mut samples = Vec::with_capacity(n);
+    let mut idle = Vec::with_capacity(n);
+    let mut last_event: Option<Instant> = None;
     for i in 0..n {
         sender.ready().await.unwrap();
+        if let Some(last) = last_event {
+            idle.push(last.elapsed());
+        }
         let started = Instant::now();
         let response = sender
             .send_request(request(addr, "/sse", &format!("{tag}-{i}")))
@@ -111,9 +126,15 @@ async fn ttfb(addr: SocketAddr, tag: &str, n: usize) -> f64 {
         let first = body.frame().await.unwrap().unwrap();
         samples.push(started.elapsed());
         assert!(first.is_data());
+        last_event = Some(Instant::now() + EVENT_GAP * (EVENTS - 1));
         while body.frame().await.is_some() {}
     }
-    common::percentile_us(&mut samples, 50.0)
+    let idle = if idle.is_empty() {
+        0.0
+    } else {
+        common::percentile_us(&mut idle, 50.0)
+    };
+    (common::percentile_us(&mut samples, 50.0), idle)
 }
 
 /// Reads a response of `path` with `key` to its end: bytes per second.
@@ -147,29 +168,35 @@ async fn peak_heap(addr: SocketAddr, key: &str, mib: usize) -> f64 {
 
 /// Median round trip of a PING to Redis.
 async fn redis_rtt(server: &RedisServer) -> f64 {
-    ping_rtt(server.connection().await, Duration::ZERO).await
+    ping_rtt(server.connection().await, Duration::ZERO, 200).await
 }
 
 /// The same round trip as the servers make it for a request's begin: from a task on their
-/// (multi-thread) runtime, each PING after a 2 ms pause, as each request of [`ttfb`] comes
-/// after its predecessor's last event. A round trip after a pause costs far more than one of
-/// a back-to-back series (about 95 µs against 10 µs here: the workers have parked, and the
-/// reply wakes a parked thread), so the back-to-back figure would flatter the subtraction.
-async fn servers_rtt(servers: &tokio::runtime::Handle, server: &RedisServer) -> f64 {
+/// (multi-thread) runtime, each PING after `pause`, the time the servers were idle before each
+/// request of [`ttfb`] (measured there). A round trip after a pause costs far more than one of
+/// a back-to-back series (the workers have parked, the CPUs have gone idle, and the reply
+/// wakes a parked thread), and the longer the pause the more: the back-to-back figure, or
+/// one after a shorter pause, would flatter the subtraction.
+async fn servers_rtt(
+    servers: &tokio::runtime::Handle,
+    server: &RedisServer,
+    pause: Duration,
+    n: usize,
+) -> f64 {
     let client = server.client();
     servers
         .spawn(async move {
             let conn = client.get_multiplexed_async_connection().await.unwrap();
-            ping_rtt(conn, Duration::from_millis(2)).await
+            ping_rtt(conn, pause, n).await
         })
         .await
         .unwrap()
 }
 
-/// Median of 200 PINGs on `conn`, each after `pause`, in µs.
-async fn ping_rtt(mut conn: redis::aio::MultiplexedConnection, pause: Duration) -> f64 {
+/// Median of `n` PINGs on `conn`, each after `pause`, in µs.
+async fn ping_rtt(mut conn: redis::aio::MultiplexedConnection, pause: Duration, n: usize) -> f64 {
     let mut samples = Vec::new();
-    for _ in 0..200 {
+    for _ in 0..n {
         if !pause.is_zero() {
             tokio::time::sleep(pause).await;
         }
@@ -214,6 +241,7 @@ fn main() {
         .collect();
     let (none, memory, redis_addr) = (addrs[0], addrs[1], addrs[2]);
     let n = if mode.full { 200 } else { 10 };
+    let pings = if mode.full { 60 } else { 5 };
     let big = if mode.full { 100 } else { 4 };
     let replay_mib = if mode.full { 10 } else { 1 };
     let transfers = if mode.full { 9 } else { 1 };
@@ -225,6 +253,7 @@ fn main() {
     });
 
     let (mut t_none, mut t_mem, mut t_redis, mut rtt, mut rtt_servers) = Default::default();
+    let mut idle_redis = Series::default();
     let (mut r_handler, mut r_mem, mut r_redis): (Series, Series, Series) = Default::default();
     let (mut m_none, mut m_redis) = (Series::default(), Series::default());
     for round in 0..mode.rounds {
@@ -235,13 +264,19 @@ fn main() {
                 (&mut t_mem, memory),
                 (&mut t_redis, redis_addr),
             ];
+            let mut idle = 0.0;
             for (series, addr) in t.iter_mut() {
-                series.push(ttfb(*addr, &format!("r{round}"), n).await);
+                let (first_byte, idle_before) = ttfb(*addr, &format!("r{round}"), n).await;
+                series.push(first_byte);
+                idle = idle_before;
             }
+            // (The last variant measured is Redis's.)
+            idle_redis.push(idle / 1000.0);
             Series::push(&mut rtt, redis_rtt(&redis).await);
+            let pause = Duration::from_micros(idle as u64).max(Duration::from_millis(2));
             Series::push(
                 &mut rtt_servers,
-                servers_rtt(servers.handle(), &redis).await,
+                servers_rtt(servers.handle(), &redis, pause, pings).await,
             );
             // One transfer of 10 MiB takes a few milliseconds, within reach of a single
             // scheduling hiccup: each round takes the median of several, interleaved.
@@ -289,7 +324,16 @@ fn main() {
     // The layer's begin is a round trip the server makes, from its own runtime.
     let beyond = t_redis.minus(&rtt_servers);
     row(&[
-        "Redis round trip, PING p50, servers' runtime (µs)",
+        "servers idle before each TTFB request, Redis variant, p50 (ms)",
+        &format!(
+            "{:.1} / {:.1} / {:.1}",
+            idle_redis.min(),
+            idle_redis.median(),
+            idle_redis.max()
+        ),
+    ]);
+    row(&[
+        "Redis round trip, PING p50, servers' runtime, each after that idle time (µs)",
         &span(&rtt_servers),
     ]);
     row(&[
