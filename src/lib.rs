@@ -280,6 +280,29 @@ pub mod internals {
         }
     }
 
+    /// A chunk part of a streamed record (part 1 of writer 1) holding `data`, sealed.
+    pub fn seal_chunk(key: &[u8; 32], name: &str, data: &[u8]) -> Vec<u8> {
+        let mut buffer = Sealer::chunk_buffer(data.len());
+        buffer.extend_from_slice(data);
+        Sealer::new(key, name).seal_chunk(1, 1, buffer)
+    }
+
+    /// Opens and decodes a chunk part from [`seal_chunk`] as a replay does: handed over (opened
+    /// where it lies when nothing else holds it: a part read from Redis), or, with `copy`,
+    /// borrowed and copied first (as before); returns the data length.
+    pub fn open_chunk(key: &[u8; 32], name: &str, sealed: Bytes, copy: bool) -> usize {
+        let sealer = Sealer::new(key, name);
+        let part = if copy {
+            sealer.open_part(1, 1, &sealed)
+        } else {
+            sealer.open_part_owned(1, 1, sealed)
+        };
+        match part {
+            Ok(Part::Chunk(data)) => data.len(),
+            _ => 0,
+        }
+    }
+
     /// Decodes a plain record; returns the body length.
     pub fn decode_plain(plain: &[u8]) -> usize {
         match Part::decode(&Bytes::copy_from_slice(plain)) {

@@ -398,20 +398,21 @@ async fn read(mut source: Source, mut feed: Feed, key: [u8; 32], name: String, w
             break Err(format!("expected part {next}, the store gave part {from}").into());
         }
         next = from + parts.len() as u64;
+        let none_read = parts.is_empty();
         let read_ahead = match &source {
             Source::Stored {
                 once, parts: total, ..
-            } if !parts.is_empty() && next < *total => Some(once.stored_parts(next, BATCH)),
+            } if !none_read && next < *total => Some(once.stored_parts(next, BATCH)),
             _ => None,
         };
         // The read ahead is polled first, so its command leaves before the parts are opened;
         // a body that ends or breaks off here does not wait for it.
         let ended = match read_ahead {
-            None => deliver(&sealer, &mut feed, from, &parts, writer, &mut len, limit).await,
+            None => deliver(&sealer, &mut feed, from, parts, writer, &mut len, limit).await,
             Some(read) => {
                 let read = pin!(read);
                 let delivered = pin!(deliver(
-                    &sealer, &mut feed, from, &parts, writer, &mut len, limit
+                    &sealer, &mut feed, from, parts, writer, &mut len, limit
                 ));
                 match futures_util::future::select(read, delivered).await {
                     Either::Left((read, delivered)) => {
@@ -445,7 +446,7 @@ async fn read(mut source: Source, mut feed: Feed, key: [u8; 32], name: String, w
             }
             _ => {}
         }
-        if parts.is_empty() && matches!(source, Source::Stored { .. }) {
+        if none_read && matches!(source, Source::Stored { .. }) {
             break Err("the stored record is missing parts".into());
         }
     };
@@ -467,14 +468,14 @@ async fn deliver(
     sealer: &Sealer<'_>,
     feed: &mut Feed,
     from: u64,
-    parts: &[bytes::Bytes],
+    parts: Vec<bytes::Bytes>,
     writer: u64,
     len: &mut u64,
     limit: Option<u64>,
 ) -> Option<Result<HeaderMap, BoxError>> {
-    for (i, sealed) in parts.iter().enumerate() {
+    for (i, sealed) in parts.into_iter().enumerate() {
         let index = from + i as u64;
-        match sealer.open_part(index, writer, sealed) {
+        match sealer.open_part_owned(index, writer, sealed) {
             Ok(Part::Chunk(data)) => {
                 let after = *len + data.len() as u64;
                 if let Some(limit) = limit
@@ -532,14 +533,14 @@ mod tests {
             buffer.extend_from_slice(data);
             bytes::Bytes::from(sealer.seal_chunk(index, 9, buffer))
         };
-        let parts = [
+        let parts = vec![
             chunk(1, b"abc"),
             chunk(2, b"defgh"),
             bytes::Bytes::from(sealer.seal_end(3, 9, true, 5, None)),
         ];
         let (mut feed, body) = Feed::channel::<http_body_util::Empty<bytes::Bytes>>(None);
         let mut len = 0;
-        let ended = deliver(&sealer, &mut feed, 1, &parts, 9, &mut len, Some(5)).await;
+        let ended = deliver(&sealer, &mut feed, 1, parts.clone(), 9, &mut len, Some(5)).await;
         assert!(matches!(ended, Some(Err(_))), "{ended:?}");
         assert_eq!(len, 3, "only the bytes within the length were sent");
         feed.send(Message::End).await;
@@ -549,7 +550,7 @@ mod tests {
         // Without a length (trailers), the end part's count still refuses the mismatch.
         let (mut feed, _body) = Feed::channel::<http_body_util::Empty<bytes::Bytes>>(None);
         let mut len = 0;
-        let ended = deliver(&sealer, &mut feed, 1, &parts, 9, &mut len, None).await;
+        let ended = deliver(&sealer, &mut feed, 1, parts, 9, &mut len, None).await;
         assert!(matches!(ended, Some(Err(_))), "{ended:?}");
     }
 

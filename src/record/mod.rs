@@ -28,6 +28,18 @@ impl Sealer<'_> {
         Part::decode(&self.open(index, writer, sealed)?)
     }
 
+    /// [`open_part`](Self::open_part) of a part handed over (opened in place when it can be:
+    /// [`Sealer::open_owned`]).
+    pub(crate) fn open_part_owned(
+        &self,
+        index: u64,
+        writer: u64,
+        sealed: bytes::Bytes,
+    ) -> Result<Part, String> {
+        let writer = if index == 0 { 0 } else { writer };
+        Part::decode(&self.open_owned(index, writer, sealed)?)
+    }
+
     /// A record in one part.
     pub(crate) fn seal_whole<K: Fn(&HeaderName) -> bool>(
         &self,

@@ -21,7 +21,7 @@
 //! section 8). The envelope is standard AES-GCM either way: records written with one open with
 //! the other.
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use ring::aead::{AES_256_GCM, Aad, LessSafeKey, Nonce, UnboundKey};
 
 const MAGIC: &[u8; 3] = b"TIR";
@@ -102,29 +102,45 @@ impl<'a> Sealer<'a> {
     /// Opens part `part` of writer `writer`: its plaintext, or why it cannot be read (corrupt,
     /// forged, moved, of another writer, or of another format version).
     pub(crate) fn open(&self, part: u64, writer: u64, sealed: &[u8]) -> Result<Bytes, String> {
-        if sealed.len() < 4 || &sealed[..3] != MAGIC {
-            return Err("not a tower-idempotency record".into());
-        }
-        if sealed[3] != VERSION {
-            return Err(format!(
-                "record format version {} is not supported (this build reads {VERSION})",
-                sealed[3]
-            ));
-        }
-        if sealed.len() < HEADER + TAG {
-            return Err(format!("truncated record ({} bytes)", sealed.len()));
-        }
-        let nonce: [u8; 12] = sealed[4..HEADER]
-            .try_into()
-            .map_err(|_| "truncated nonce")?;
-        // Ciphertext and tag, opened in place; the plaintext is the ciphertext's length.
-        let mut plain = BytesMut::from(&sealed[HEADER..]);
+        let nonce = check(sealed)?;
+        self.open_in_place(part, writer, nonce, BytesMut::from(&sealed[HEADER..]))
+    }
+
+    /// [`open`](Self::open) of a part handed over: opened where it lies when nothing else
+    /// holds its bytes (a part just read from Redis), without copying the body; copied first
+    /// otherwise (a part the memory store keeps).
+    pub(crate) fn open_owned(
+        &self,
+        part: u64,
+        writer: u64,
+        sealed: Bytes,
+    ) -> Result<Bytes, String> {
+        let nonce = check(&sealed)?;
+        let plain = match sealed.try_into_mut() {
+            Ok(mut sealed) => {
+                sealed.advance(HEADER);
+                sealed
+            }
+            Err(shared) => BytesMut::from(&shared[HEADER..]),
+        };
+        self.open_in_place(part, writer, nonce, plain)
+    }
+
+    /// Opens `sealed`, the ciphertext and tag of part `part` (the envelope's header checked).
+    fn open_in_place(
+        &self,
+        part: u64,
+        writer: u64,
+        nonce: [u8; 12],
+        mut sealed: BytesMut,
+    ) -> Result<Bytes, String> {
+        // The plaintext is the ciphertext's length, where the ciphertext was.
         let len = self
             .cipher
             .open_in_place(
                 Nonce::assume_unique_for_key(nonce),
                 Aad::from(self.aad(part, writer)),
-                &mut plain[..],
+                &mut sealed[..],
             )
             .map_err(|_| {
                 "the record does not authenticate: altered, written by someone without the key, \
@@ -132,9 +148,28 @@ impl<'a> Sealer<'a> {
                     .to_owned()
             })?
             .len();
-        plain.truncate(len);
-        Ok(plain.freeze())
+        sealed.truncate(len);
+        Ok(sealed.freeze())
     }
+}
+
+/// Checks a sealed part's envelope (magic, version, length): its nonce.
+fn check(sealed: &[u8]) -> Result<[u8; 12], String> {
+    if sealed.len() < 4 || &sealed[..3] != MAGIC {
+        return Err("not a tower-idempotency record".into());
+    }
+    if sealed[3] != VERSION {
+        return Err(format!(
+            "record format version {} is not supported (this build reads {VERSION})",
+            sealed[3]
+        ));
+    }
+    if sealed.len() < HEADER + TAG {
+        return Err(format!("truncated record ({} bytes)", sealed.len()));
+    }
+    sealed[4..HEADER]
+        .try_into()
+        .map_err(|_| "truncated nonce".to_owned())
 }
 
 #[cfg(test)]
@@ -209,5 +244,31 @@ mod tests {
         let in_place = n1.seal_buffer(3, 7, buffer);
         assert_eq!(&n1.open(3, 7, &in_place).unwrap()[..], b"data");
         assert!(n1.open(3, 8, &in_place).is_err(), "another writer's part");
+    }
+
+    #[test]
+    fn a_part_handed_over_is_opened_where_it_lies() {
+        let key = [3u8; 32];
+        let sealer = Sealer::new(&key, "n1");
+        let plain = vec![0x5au8; 4096];
+        let part = Bytes::from(sealed(&key, "n1", 4, &plain));
+        let at = part.as_ptr() as usize;
+        let opened = sealer.open_owned(4, 0, part).unwrap();
+        assert_eq!(&opened[..], &plain[..]);
+        assert_eq!(
+            opened.as_ptr() as usize,
+            at + HEADER,
+            "opened in the buffer it came in, not copied"
+        );
+        // A part someone else holds too (the memory store's) is copied, and opens the same.
+        let part = Bytes::from(sealed(&key, "n1", 4, &plain));
+        let kept = part.clone();
+        let opened = sealer.open_owned(4, 0, part).unwrap();
+        assert_eq!(&opened[..], &plain[..]);
+        assert_ne!(opened.as_ptr(), kept[HEADER..].as_ptr());
+        assert_eq!(&kept[..4], b"TIR\x03", "the kept part is left sealed");
+        // Bound like `open`: another index or writer does not open.
+        let part = Bytes::from(sealed(&key, "n1", 4, &plain));
+        assert!(sealer.open_owned(5, 0, part).is_err());
     }
 }
