@@ -96,29 +96,8 @@ pub(crate) async fn tee<B, E>(
             Some(Some(Err(error))) => break Some(error),
         }
     };
-    // Boxed: the streamed path's future is large, and most responses are whole.
-    Box::pin(streamed(
-        run, parts, body, keep, reply, early, failed, announced,
-    ))
-    .await;
-}
 
-/// A body not complete at once (or failed before it was): the head goes out now, the frames
-/// (`early`: those read already) as they come, and the record is appended as they pass.
-#[allow(clippy::too_many_arguments)]
-async fn streamed<B, E>(
-    run: Box<Run>,
-    parts: http::response::Parts,
-    mut body: Pin<&mut Announced<B>>,
-    keep: bool,
-    reply: oneshot::Sender<Finished<B, E>>,
-    early: Vec<Frame<Bytes>>,
-    failed: Option<BoxError>,
-    announced: Option<u64>,
-) where
-    B: Body,
-    B::Error: Into<BoxError>,
-{
+    // Streamed: the head goes out now, the frames as they come.
     let status = parts.status;
     let headers = parts.headers.clone();
     // A detached execution runs at its own pace: a client that stops reading is given up after
@@ -162,7 +141,7 @@ async fn streamed<B, E>(
     for frame in early {
         sink.add(&run, frame).await;
     }
-    let mut failed = failed;
+    let mut failed: Option<BoxError> = failed;
     while failed.is_none() {
         let next = match poll_now(body.as_mut()).await {
             Some(next) => next,
