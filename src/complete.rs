@@ -235,8 +235,7 @@ pub(crate) async fn store_then(
             | LockError::Redis { .. }),
         ) if run.config.unknown_outcome == UnknownOutcome::Record => {
             let unknown = run.unknown_whole();
-            // Boxed: the rare path; it should not grow every execution's future.
-            match Box::pin(run.guard.complete_whole(&unknown)).await {
+            match run.guard.complete_whole(&unknown).await {
                 Ok(()) => {
                     tracing::warn!(fence, %error, "idempotency: the outcome could not be stored; recorded as unknown, retries get outcome-unknown");
                     Event::Unknown

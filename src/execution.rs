@@ -154,8 +154,6 @@ where
     })
 }
 
-/// (The rare paths' futures are boxed where they are taken, so that they do not grow the
-/// common path's, allocated per request.)
 async fn execute<F, B, E>(future: F, run: Box<Run>, reply: oneshot::Sender<Finished<B, E>>)
 where
     F: Future<Output = Result<Response<B>, E>>,
@@ -165,12 +163,12 @@ where
     let response = match AssertUnwindSafe(future).catch_unwind().await {
         Ok(Ok(response)) => response,
         Ok(Err(error)) => {
-            Box::pin(complete::unknown(run, "the service returned an error")).await;
+            complete::unknown(run, "the service returned an error").await;
             let _ = reply.send(Finished::Error(error));
             return;
         }
         Err(panic) => {
-            Box::pin(complete::unknown(run, "the handler panicked")).await;
+            complete::unknown(run, "the handler panicked").await;
             let _ = reply.send(Finished::Panic(panic));
             return;
         }
@@ -189,11 +187,7 @@ where
         })) {
             Ok(outcome) => outcome,
             Err(panic) => {
-                Box::pin(complete::unknown(
-                    run,
-                    "the default outcome policy panicked",
-                ))
-                .await;
+                complete::unknown(run, "the default outcome policy panicked").await;
                 let _ = reply.send(Finished::Panic(panic));
                 return;
             }
@@ -201,7 +195,7 @@ where
     };
     if outcome == Outcome::Retryable {
         // Released before the client sees the answer: its retry runs the handler again.
-        Box::pin(complete::release(run, Event::NotStored)).await;
+        complete::release(run, Event::NotStored).await;
         let _ = reply.send(Finished::Response(Response::from_parts(
             parts,
             ResponseBody::inner(body),
