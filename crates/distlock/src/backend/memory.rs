@@ -842,6 +842,75 @@ impl MemoryBackend {
             .fold((0, 0), |(n, b), e| (n + e.slots(), b + e.bytes()));
         (s.ix.evictable, recounted)
     }
+
+    /// Everything the store counts and indexes, recounted from the entries: what does not
+    /// match (for tests).
+    #[cfg(test)]
+    fn audit(&self) -> Vec<String> {
+        let s = self.store();
+        let mut problems = Vec::new();
+        let (mut slots, mut bytes, mut evictable) = (0, 0, (0, 0));
+        let (mut locks, mut states) = (0, 0);
+        for (key, e) in &s.entries {
+            if e.slots() == 0 {
+                problems.push(format!("{key}: an empty entry left in the map"));
+            }
+            slots += e.slots();
+            bytes += e.bytes();
+            if e.lock.is_none() && e.state.is_some() {
+                evictable = (evictable.0 + e.slots(), evictable.1 + e.bytes());
+            }
+            match (&e.lock, e.indexed.lock) {
+                (None, None) => {}
+                (Some(lock), Some(at))
+                    if at.0 == lock.expires && s.ix.locks.get(&at) == Some(key) =>
+                {
+                    locks += 1;
+                }
+                _ => problems.push(format!("{key}: its lock is not indexed at its expiry")),
+            }
+            let place = if e.lock.is_some() {
+                Place::Busy
+            } else {
+                Place::Idle
+            };
+            match (&e.state, e.indexed.state) {
+                (None, None) => {}
+                (Some(state), Some((at, indexed)))
+                    if at.0 == state.expires.unwrap_or_else(far)
+                        && indexed == place
+                        && match place {
+                            Place::Idle => s.ix.idle.get(&at),
+                            Place::Busy => s.ix.busy.get(&at),
+                        } == Some(key) =>
+                {
+                    states += 1;
+                }
+                _ => problems.push(format!("{key}: its state is not indexed where it belongs")),
+            }
+        }
+        if (slots, bytes) != (s.ix.slots, s.ix.bytes) {
+            problems.push(format!(
+                "counted {:?} slots and bytes, recounted {:?}",
+                (s.ix.slots, s.ix.bytes),
+                (slots, bytes)
+            ));
+        }
+        if evictable != s.ix.evictable {
+            problems.push(format!(
+                "counted {:?} evictable, recounted {evictable:?}",
+                s.ix.evictable
+            ));
+        }
+        if locks != s.ix.locks.len() || states != s.ix.idle.len() + s.ix.busy.len() {
+            problems.push(format!(
+                "stale index entries: {} locks and {} states indexed, {locks} and {states} in the map",
+                s.ix.locks.len(),
+                s.ix.idle.len() + s.ix.busy.len()
+            ));
+        }
+        problems
+    }
 }
 
 impl Backend for MemoryBackend {
@@ -1395,6 +1464,81 @@ mod tests {
         std::thread::sleep(Duration::from_millis(40));
         b.store().sweep(Instant::now());
         assert_eq!(b.usage(), (0, 0, 0));
+        assert!(b.store().entries.is_empty(), "nothing left in the map");
+        assert_eq!(b.audit(), Vec::<String>::new());
+    }
+
+    /// Whatever the operations, on a few names in a small store with time passing (leases and
+    /// retentions expiring, records evicted, streamed records appended, completed whole or
+    /// broken off), every count and index matches a recount from the entries after every step,
+    /// and no empty entry stays in the map.
+    #[tokio::test(start_paused = true)]
+    async fn every_count_and_index_matches_a_recount_after_every_operation() {
+        for seed in 0..20 {
+            let b = MemoryBackend::new(MemoryLimits::new(12, 4096).unwrap());
+            let mut rng = fastrand::Rng::with_seed(seed);
+            let owner = OwnerId::random();
+            // What was acquired: the operation, and the parts it appended.
+            let mut held: Vec<(Op, u64)> = Vec::new();
+            for step in 0..400 {
+                let pick = |rng: &mut fastrand::Rng, n: usize| rng.usize(0..n.max(1));
+                match rng.u8(0..10) {
+                    0..=3 => {
+                        let mode = match rng.u8(0..3) {
+                            0 => Mode::Exclusive,
+                            1 => Mode::Reentrant {
+                                owner: owner.clone(),
+                            },
+                            _ => Mode::Once {
+                                tag: Bytes::from(vec![b't'; rng.usize(0..40)]),
+                                retention: Duration::from_millis(rng.u64(500..1_500)),
+                            },
+                        };
+                        let name = format!("n{}", rng.u8(0..6));
+                        let o = op(&name, mode, [20, 100, 500][pick(&mut rng, 3)]);
+                        if let Ok(Attempt::Acquired { .. }) = b.acquire_now(&o) {
+                            held.push((o, 0));
+                        }
+                    }
+                    4 if !held.is_empty() => {
+                        let (o, _) = &held[pick(&mut rng, held.len())];
+                        b.extend_now(o, Duration::from_millis(rng.u64(10..600)));
+                    }
+                    5 if !held.is_empty() => {
+                        let (o, _) = held.swap_remove(pick(&mut rng, held.len()));
+                        b.release_now(&o);
+                    }
+                    6 if !held.is_empty() => {
+                        let i = pick(&mut rng, held.len());
+                        let part = vec![b'p'; rng.usize(0..600)];
+                        let (o, appended) = &mut held[i];
+                        if let Ok(Appended::Stored) = b.append_now(o, *appended, &part) {
+                            *appended += 1;
+                        }
+                    }
+                    7 | 8 if !held.is_empty() => {
+                        let (o, appended) = held.swap_remove(pick(&mut rng, held.len()));
+                        let whole = rng.bool();
+                        let record = vec![b'r'; rng.usize(0..900)];
+                        let parts = if whole {
+                            super::super::REPLACE_PARTS
+                        } else {
+                            appended
+                        };
+                        let _ = b.complete_now(&o, &record, parts);
+                    }
+                    _ => tokio::time::advance(Duration::from_millis(rng.u64(0..200))).await,
+                }
+                // (Every operation sweeps first: one that does nothing else.)
+                b.parts_now(&LockName::new("t", "n0").unwrap(), 0, 1)
+                    .unwrap();
+                let problems = b.audit();
+                assert!(
+                    problems.is_empty(),
+                    "seed {seed}, step {step}: {problems:?}"
+                );
+            }
+        }
     }
 
     /// The indexes hold one entry per lock and per state, whatever happens to them: renewals,
