@@ -268,9 +268,10 @@ fn main() {
             for (series, addr) in t.iter_mut() {
                 let (first_byte, idle_before) = ttfb(*addr, &format!("r{round}"), n).await;
                 series.push(first_byte);
-                idle = idle_before;
+                if *addr == redis_addr {
+                    idle = idle_before;
+                }
             }
-            // (The last variant measured is Redis's.)
             idle_redis.push(idle / 1000.0);
             Series::push(&mut rtt, redis_rtt(&redis).await);
             let pause = Duration::from_micros(idle as u64).max(Duration::from_millis(2));

@@ -24,8 +24,7 @@ pub(crate) const CHUNK_START: usize = seal::HEADER + 1;
 impl Sealer<'_> {
     /// Opens and decodes part `index` of a record; parts after the first belong to `writer`.
     pub(crate) fn open_part(&self, index: u64, writer: u64, sealed: &[u8]) -> Result<Part, String> {
-        let writer = if index == 0 { 0 } else { writer };
-        Part::decode(&self.open(index, writer, sealed)?)
+        self.open_part_owned(index, writer, bytes::Bytes::copy_from_slice(sealed))
     }
 
     /// [`open_part`](Self::open_part) of a part handed over (opened in place when it can be:

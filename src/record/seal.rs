@@ -99,16 +99,16 @@ impl<'a> Sealer<'a> {
         self.seal_buffer(part, writer, out)
     }
 
-    /// Opens part `part` of writer `writer`: its plaintext, or why it cannot be read (corrupt,
-    /// forged, moved, of another writer, or of another format version).
+    /// [`open_owned`](Self::open_owned) of a borrowed part (copied).
+    #[cfg(test)]
     pub(crate) fn open(&self, part: u64, writer: u64, sealed: &[u8]) -> Result<Bytes, String> {
-        let nonce = check(sealed)?;
-        self.open_in_place(part, writer, nonce, BytesMut::from(&sealed[HEADER..]))
+        self.open_owned(part, writer, Bytes::copy_from_slice(sealed))
     }
 
-    /// [`open`](Self::open) of a part handed over: opened where it lies when nothing else
-    /// holds its bytes (a part just read from Redis), without copying the body; copied first
-    /// otherwise (a part the memory store keeps).
+    /// Opens part `part` of writer `writer`: its plaintext, or why it cannot be read (corrupt,
+    /// forged, moved, of another writer, or of another format version). Opened where it lies
+    /// when nothing else holds its bytes (a part just read from Redis), without copying the
+    /// body; copied first otherwise (a part the memory store keeps).
     pub(crate) fn open_owned(
         &self,
         part: u64,
@@ -116,25 +116,14 @@ impl<'a> Sealer<'a> {
         sealed: Bytes,
     ) -> Result<Bytes, String> {
         let nonce = check(&sealed)?;
-        let plain = match sealed.try_into_mut() {
+        // The ciphertext and tag; the plaintext is the ciphertext's length, where it was.
+        let mut sealed = match sealed.try_into_mut() {
             Ok(mut sealed) => {
                 sealed.advance(HEADER);
                 sealed
             }
             Err(shared) => BytesMut::from(&shared[HEADER..]),
         };
-        self.open_in_place(part, writer, nonce, plain)
-    }
-
-    /// Opens `sealed`, the ciphertext and tag of part `part` (the envelope's header checked).
-    fn open_in_place(
-        &self,
-        part: u64,
-        writer: u64,
-        nonce: [u8; 12],
-        mut sealed: BytesMut,
-    ) -> Result<Bytes, String> {
-        // The plaintext is the ciphertext's length, where the ciphertext was.
         let len = self
             .cipher
             .open_in_place(
