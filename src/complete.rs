@@ -13,7 +13,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use crate::begin::Run;
 use crate::metrics::{Event, count, store_latency};
 use crate::outcome::UnknownOutcome;
-use crate::record::{EncodeHead, Kind, Sealer};
+use crate::record::{EncodeHead, Kind, Part, Sealer};
 
 impl Run {
     /// The cipher of this execution's record.
@@ -66,7 +66,12 @@ pub(crate) async fn response(
     trailers: Option<&HeaderMap>,
 ) {
     let record = whole(&run, status, headers, body, trailers);
-    store(run, &record, Event::Executed).await;
+    // A body not kept is what would be stored instead.
+    let instead = match body {
+        Some(_) => Instead::Head(status, headers),
+        None => Instead::Unknown,
+    };
+    store(run, &record, Event::Executed, instead).await;
 }
 
 /// The sealed record of a final response stored whole.
@@ -95,9 +100,16 @@ pub(crate) fn whole(
     )
 }
 
-/// Ends a streamed record (its head and chunks were appended): whether the body was kept, its
-/// length, its trailers.
-pub(crate) async fn end(run: Box<Run>, kept: bool, len: u64, trailers: Option<&HeaderMap>) {
+/// Ends a streamed record (its head and chunks were appended) of a response with `status` and
+/// `headers`: whether the body was kept, its length, its trailers.
+pub(crate) async fn end(
+    run: Box<Run>,
+    status: StatusCode,
+    headers: &HeaderMap,
+    kept: bool,
+    len: u64,
+    trailers: Option<&HeaderMap>,
+) {
     if !kept {
         tracing::warn!(
             limit = run.config.record_limit,
@@ -109,7 +121,14 @@ pub(crate) async fn end(run: Box<Run>, kept: bool, len: u64, trailers: Option<&H
     let record = run
         .sealer()
         .seal_end(index, run.guard.fence(), kept, len, trailers);
-    store(run, &record, Event::Executed).await;
+    // Refused (a part lost behind the record's back): the outcome is still known.
+    store(
+        run,
+        &record,
+        Event::Executed,
+        Instead::Head(status, headers),
+    )
+    .await;
 }
 
 /// The request headers a response varies on (its `Vary`), with the values the request had
@@ -179,7 +198,7 @@ pub(crate) async fn unknown(run: Box<Run>, why: &str) {
                 0 => run.unknown_whole(),
                 index => run.sealer().seal_unknown(index, fence),
             };
-            store(run, &record, Event::Unknown).await;
+            store(run, &record, Event::Unknown, Instead::Unknown).await;
         }
     }
 }
@@ -193,18 +212,73 @@ pub(crate) async fn release(run: Box<Run>, event: Event) {
     count(event);
 }
 
-async fn store(run: Box<Run>, record: &[u8], event: Event) {
-    store_then(run, record, event, || {}).await;
+/// What is stored in place of a record the store refuses (its parts lost mid-stream, a full
+/// in-memory store, a record over the store's part limit, a script error): the handler has
+/// answered, so its outcome without the body (status and kept headers: a retry gets 410
+/// `response-not-stored`) when the response is known; otherwise that the outcome is unknown
+/// (with [`UnknownOutcome::Record`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Instead<'a> {
+    /// The refused record is a whole response: its head, read back from it.
+    ItsHead,
+    /// The response's status and headers (a streamed record, whose head was appended).
+    Head(StatusCode, &'a HeaderMap),
+    /// No response to tell of (or the refused record already is the outcome without its body).
+    Unknown,
+}
+
+/// What to store in place of `refused`, and what it tells: the response without its body
+/// (executed), or that the outcome is unknown.
+fn replacement(run: &Run, refused: &[u8], instead: Instead<'_>) -> Option<(Vec<u8>, Event)> {
+    match without_body(run, refused, instead) {
+        Some(not_kept) => Some((not_kept, Event::Executed)),
+        None if run.config.unknown_outcome == UnknownOutcome::Record => {
+            Some((run.unknown_whole(), Event::Unknown))
+        }
+        None => None,
+    }
+}
+
+/// The sealed outcome of a response without its body, stored in place of `refused`.
+fn without_body(run: &Run, refused: &[u8], instead: Instead<'_>) -> Option<Vec<u8>> {
+    let seal = |status, headers: &HeaderMap, vary: &HeaderMap| {
+        run.sealer().seal_whole(
+            &run.head(Kind::BodyNotKept, status, headers, vary),
+            &[],
+            None,
+        )
+    };
+    match instead {
+        Instead::Head(status, headers) => {
+            Some(seal(status, headers, &negotiated(headers, &run.negotiated)))
+        }
+        // Read back only once the store has refused it: nothing is kept for this meanwhile.
+        Instead::ItsHead => match run.sealer().open_part(0, 0, refused) {
+            Ok(Part::Whole(record)) if record.head.kind == Kind::Response => Some(seal(
+                record.head.status,
+                &record.head.headers,
+                &record.head.vary,
+            )),
+            _ => None,
+        },
+        Instead::Unknown => None,
+    }
+}
+
+async fn store(run: Box<Run>, record: &[u8], event: Event, instead: Instead<'_>) {
+    store_then(run, record, event, instead, || {}).await;
 }
 
 /// Stores `record` (completing the run) and calls `sent` as soon as the store command is on its
 /// way (sent to the store, or already answered): the response can go to the client while the
 /// store answers, the lease keeping the key until then. A command sent before the response goes
-/// out is ahead of any command the client's retry can cause on this instance's connection.
+/// out is ahead of any command the client's retry can cause on this instance's connection. A
+/// record the store refuses is replaced as `instead` says.
 pub(crate) async fn store_then(
     mut run: Box<Run>,
     record: &[u8],
     event: Event,
+    instead: Instead<'_>,
     sent: impl FnOnce(),
 ) {
     let started = Instant::now();
@@ -225,20 +299,24 @@ pub(crate) async fn store_then(
             Event::LeaseLost
         }
         // The store answered, and refused this record (its parts were evicted mid-stream, a
-        // full memory store, a script error): the handler ran, so say that its outcome is
-        // unknown rather than release the key for a second run (unless unknown outcomes are
-        // to release it: `UnknownOutcome::Release`).
+        // full memory store, a script error): the handler ran, so store what is known of its
+        // outcome rather than release the key for a second run: the response without its
+        // body, or that the outcome is unknown (unless unknown outcomes are to release the
+        // key: `UnknownOutcome::Release`).
         Err(
             error @ (LockError::BrokenRecord { .. }
             | LockError::Capacity { .. }
             | LockError::TooLarge { .. }
             | LockError::Redis { .. }),
-        ) if run.config.unknown_outcome == UnknownOutcome::Record => {
-            let unknown = run.unknown_whole();
-            match run.guard.complete_whole(&unknown).await {
-                Ok(()) => {
+        ) if let Some((replacement, replaced)) = replacement(&run, record, instead) => {
+            match run.guard.complete_whole(&replacement).await {
+                Ok(()) if replaced == Event::Unknown => {
                     tracing::warn!(fence, %error, "idempotency: the outcome could not be stored; recorded as unknown, retries get outcome-unknown");
                     Event::Unknown
+                }
+                Ok(()) => {
+                    tracing::warn!(fence, %error, "idempotency: the response could not be stored; its outcome is stored without its body, retries get response-not-stored");
+                    Event::Executed
                 }
                 Err(again) => {
                     tracing::warn!(fence, %error, %again, "idempotency: could not store the outcome; a retry will run the handler again");

@@ -18,7 +18,7 @@
 //! | `outcome-unknown` | 500 | a retry of a request whose handler panicked, failed or whose body broke off: it may have done its work (with the attempt's `fence`, for reconciliation) |
 //! | `store-unavailable` | 503 | the store cannot be reached (with `Retry-After`; fail-closed mode) |
 //! | `store-full` | 503 | the in-memory store is full of requests in flight, none of which may be evicted (with `Retry-After`; fail-closed mode) |
-//! | `response-not-stored` | 410 | a retry of a request whose response body was too large to store: it was processed (the `original_status` member says with which status, and stored headers such as `Location` are kept), the body cannot be replayed |
+//! | `response-not-stored` | 410 | a retry of a request whose response body was not stored (over the record limit, opted out with [`KeepBody::No`](crate::KeepBody), or refused or lost by the store): it was processed (the `original_status` member says with which status, and stored headers such as `Location` are kept), the body cannot be replayed |
 //!
 //! The [`Rejection`] itself travels in the response extensions, so outer middleware and tests can
 //! tell which rule answered. The `type` URIs point at these docs by default
@@ -101,7 +101,8 @@ pub enum Rejection {
         /// Suggested wait before retrying.
         retry_after: Duration,
     },
-    /// The original response's body was too large to store.
+    /// The original response's body was not stored (over the record limit, opted out, or
+    /// refused or lost by the store).
     ResponseNotStored {
         /// The original status.
         status: StatusCode,
@@ -206,7 +207,7 @@ impl Rejection {
             Rejection::StoreUnavailable { .. } => "Idempotency is temporarily unavailable",
             Rejection::StoreFull { .. } => "Too many requests are in flight",
             Rejection::ResponseNotStored { .. } => {
-                "The request was processed, but its response was too large to store"
+                "The request was processed, but its response body was not stored"
             }
             Rejection::OutcomeUnknown { .. } => {
                 "The request was started, and whether it did its work is unknown"
@@ -265,8 +266,9 @@ impl Rejection {
                 whole_seconds(*retry_after)
             ),
             Rejection::ResponseNotStored { status, limit } => format!(
-                "The original request was processed with status {}, but its response body was over \
-                 the {limit}-byte storage limit, so it cannot be replayed. Do not send the request again \
+                "The original request was processed with status {}, but its response body was not \
+                 stored (bodies over {limit} bytes are not, nor those the service or the store \
+                 did not keep), so it cannot be replayed. Do not send the request again \
                  with a new key unless you mean to repeat it.",
                 status.as_u16()
             ),

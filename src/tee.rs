@@ -83,7 +83,8 @@ pub(crate) async fn tee<B, E>(
                         ResponseBody::full(data, trailers),
                     )));
                 };
-                complete::store_then(run, &record, Event::Executed, respond).await;
+                let instead = complete::Instead::ItsHead;
+                complete::store_then(run, &record, Event::Executed, instead, respond).await;
                 return;
             }
             Some(Some(Ok(frame))) => {
@@ -343,9 +344,12 @@ impl Sink {
                 let body = concat(chunks);
                 complete::response(run, status, headers, Some(&body), trailers.as_ref()).await;
             }
-            Mode::Parts { .. } => complete::end(run, true, self.len, trailers.as_ref()).await,
+            Mode::Parts { .. } => {
+                let trailers = trailers.as_ref();
+                complete::end(run, status, headers, true, self.len, trailers).await;
+            }
             Mode::Dropped if run.guard.appended() > 0 => {
-                complete::end(run, false, self.len, None).await;
+                complete::end(run, status, headers, false, self.len, None).await;
             }
             Mode::Dropped => complete::response(run, status, headers, None, None).await,
         }

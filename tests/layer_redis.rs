@@ -447,11 +447,13 @@ async fn a_record_missing_its_parts_is_reported_never_run_again() {
 }
 
 /// The parts of a record being streamed vanish mid-stream (Redis evicted the list, or someone
-/// deleted it): the client still gets the whole response, and the layer, unable to store what
-/// it sent, stores that its outcome is unknown, so a retry gets 500 `outcome-unknown` and never
-/// runs the handler again (before: the refused completion released the key, second run).
+/// deleted it): the client still gets the whole response, and the layer, unable to store the
+/// body it sent, stores the outcome without it (status and headers), so a retry gets 410
+/// `response-not-stored` naming the original status, and never runs the handler again (before:
+/// the refused completion released the key, a second run; then it stored "outcome unknown",
+/// though the handler had answered 200 and the client had it all).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn parts_lost_mid_stream_leave_an_unknown_outcome_not_a_second_run() {
+async fn parts_lost_mid_stream_leave_the_outcome_without_its_body_not_a_second_run() {
     use http_body_util::BodyExt;
     use support::within;
     let server = RedisServer::start_owned().await;
@@ -493,8 +495,9 @@ async fn parts_lost_mid_stream_leave_an_unknown_outcome_not_a_second_run() {
     );
     let retry = within("the retry", http(&client, addr, request())).await;
     assert_eq!(probe.runs(), 1, "ran again: {retry:?}");
-    assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR, "{retry:?}");
-    assert_eq!(retry.problem(), "outcome-unknown");
+    assert_eq!(retry.status, StatusCode::GONE, "{retry:?}");
+    assert_eq!(retry.problem(), "response-not-stored");
+    assert_eq!(retry.json()["original_status"], 200, "{retry:?}");
 }
 
 /// A streamed response with a `content-length`: the client has the whole body when the last

@@ -1033,6 +1033,13 @@ async fn a_full_memory_store_evicts_outcomes_never_requests_in_flight() {
         assert!(again.replayed(), "{key} kept: {again:?}");
         assert_eq!(probe.runs_of(key), 1, "{key} ran once");
     }
+    // The refused record's outcome is known (200, the client has it all): it is stored
+    // without its body, so the retry is told so and the status (before: "outcome unknown").
+    let again = send(&svc, post_key("/big", "big", "")).await;
+    assert_eq!(again.status, StatusCode::GONE, "{again:?}");
+    assert_eq!(again.problem(), "response-not-stored");
+    assert_eq!(again.json()["original_status"], 200, "{again:?}");
+    assert_eq!(probe.runs(), 4, "a, b, c and big each ran once");
 
     // Eviction order, on a store of three entries: the oldest stored outcome goes first.
     let store =
