@@ -114,7 +114,7 @@ pub(crate) async fn end(
         tracing::warn!(
             limit = run.config.record_limit,
             len,
-            "idempotency: streamed response body over the storage limit; its outcome is stored without it"
+            "idempotency: streamed response body not kept (over the storage limit, or a part could not be appended); its outcome is stored without it"
         );
     }
     let index = run.guard.appended();
@@ -308,8 +308,8 @@ pub(crate) async fn store_then(
             | LockError::Capacity { .. }
             | LockError::TooLarge { .. }
             | LockError::Redis { .. }),
-        ) if let Some((replacement, replaced)) = replacement(&run, record, instead) => {
-            match run.guard.complete_whole(&replacement).await {
+        ) => match replacement(&run, record, instead) {
+            Some((replacement, replaced)) => match run.guard.complete_whole(&replacement).await {
                 Ok(()) if replaced == Event::Unknown => {
                     tracing::warn!(fence, %error, "idempotency: the outcome could not be stored; recorded as unknown, retries get outcome-unknown");
                     Event::Unknown
@@ -322,8 +322,12 @@ pub(crate) async fn store_then(
                     tracing::warn!(fence, %error, %again, "idempotency: could not store the outcome; a retry will run the handler again");
                     Event::StoreError
                 }
+            },
+            None => {
+                tracing::warn!(fence, %error, "idempotency: could not store the outcome; a retry will run the handler again");
+                Event::StoreError
             }
-        }
+        },
         Err(error) => {
             tracing::warn!(fence, %error, "idempotency: could not store the outcome; a retry will run the handler again");
             Event::StoreError

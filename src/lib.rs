@@ -126,8 +126,9 @@
 //!   once at a time**; once a response is stored, **never again** within the retention.
 //! * A stored response is replayed byte for byte; a record that cannot be read is reported (500),
 //!   never re-executed.
-//! * A response too large to store is still never a reason to run the handler again, and never
-//!   replayed as a 2xx (retries get a 410 problem naming the original status).
+//! * A response too large to store (or that the store refuses or loses) is still never a reason
+//!   to run the handler again, and never replayed as a 2xx (retries get a 410 problem naming
+//!   the original status).
 //! * The client going away never cancels a handler that started (unless the layer is built
 //!   with [`cancel_on_disconnect`](IdempotencyLayerBuilder::cancel_on_disconnect) for handlers
 //!   known to be cancel-safe).

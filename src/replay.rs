@@ -502,7 +502,8 @@ async fn deliver(
             }
             Ok(Part::End { kept: false, .. }) => {
                 return Some(Err(
-                    "the response was over the storage limit: its body was not kept".into(),
+                    "the response's body was not kept (over the storage limit, or not storable)"
+                        .into(),
                 ));
             }
             Ok(Part::Unknown) => {

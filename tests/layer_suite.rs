@@ -1019,27 +1019,43 @@ async fn a_full_memory_store_evicts_outcomes_never_requests_in_flight() {
     // A record the store cannot hold even empty (a 6 KB response, a 4 KiB budget) evicts no
     // stored outcome on its way to being refused (before: every one went first, and each of
     // their retries ran its handler again).
-    let store =
-        tower_idempotency::Store::memory_with(distlock::MemoryLimits::new(100, 4096).unwrap());
-    let (svc, probe) = app(&store, |b| b);
-    for key in ["a", "b", "c"] {
-        let reply = send(&svc, post_key("/things", key, "{}")).await;
-        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    for unknown in [UnknownOutcome::Record, UnknownOutcome::Release] {
+        let store =
+            tower_idempotency::Store::memory_with(distlock::MemoryLimits::new(100, 4096).unwrap());
+        let (svc, probe) = app(&store, |b| b.on_unknown_outcome(unknown));
+        for key in ["a", "b", "c"] {
+            let reply = send(&svc, post_key("/things", key, "{}")).await;
+            assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+        }
+        let big = send(&svc, post_key("/big", "big", "")).await;
+        assert_eq!(big.status, StatusCode::OK, "the client gets it: {big:?}");
+        for key in ["a", "b", "c"] {
+            let again = send(&svc, post_key("/things", key, "{}")).await;
+            assert!(again.replayed(), "{key} kept: {again:?}");
+            assert_eq!(probe.runs_of(key), 1, "{key} ran once");
+        }
+        // The refused record's outcome is known (200, the client has it all): it is stored
+        // without its body, so the retry is told so, with the status and the stored headers
+        // (before: "outcome unknown"; and with `UnknownOutcome::Release`, a second run). Not
+        // an unknown outcome, so not released in either mode.
+        let again = send(&svc, post_key("/big", "big", "")).await;
+        assert_eq!(again.status, StatusCode::GONE, "{unknown:?}: {again:?}");
+        assert_eq!(again.problem(), "response-not-stored");
+        assert_eq!(again.json()["original_status"], 200, "{again:?}");
+        assert_eq!(again.headers["location"], big.headers["location"]);
+        assert!(
+            !again.headers["content-type"]
+                .to_str()
+                .unwrap()
+                .starts_with("text/plain"),
+            "no header of the body it replaces: {again:?}"
+        );
+        assert_eq!(
+            probe.runs(),
+            4,
+            "{unknown:?}: a, b, c and big each ran once"
+        );
     }
-    let big = send(&svc, post_key("/big", "big", "")).await;
-    assert_eq!(big.status, StatusCode::OK, "the client gets it: {big:?}");
-    for key in ["a", "b", "c"] {
-        let again = send(&svc, post_key("/things", key, "{}")).await;
-        assert!(again.replayed(), "{key} kept: {again:?}");
-        assert_eq!(probe.runs_of(key), 1, "{key} ran once");
-    }
-    // The refused record's outcome is known (200, the client has it all): it is stored
-    // without its body, so the retry is told so and the status (before: "outcome unknown").
-    let again = send(&svc, post_key("/big", "big", "")).await;
-    assert_eq!(again.status, StatusCode::GONE, "{again:?}");
-    assert_eq!(again.problem(), "response-not-stored");
-    assert_eq!(again.json()["original_status"], 200, "{again:?}");
-    assert_eq!(probe.runs(), 4, "a, b, c and big each ran once");
 
     // Eviction order, on a store of three entries: the oldest stored outcome goes first.
     let store =

@@ -33,7 +33,8 @@ const UNKNOWN: u8 = b'U';
 pub(crate) enum Kind {
     /// A response, replayed as it was.
     Response,
-    /// A response whose body was over the storage limit: status and headers only.
+    /// A response whose body was not kept (over the record limit, opted out, or refused or
+    /// lost by the store): status and headers only.
     BodyNotKept,
     /// The handler started and its outcome is unknown (panic, error, failed body).
     Unknown,

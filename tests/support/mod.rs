@@ -212,7 +212,7 @@ async fn status_from_body(State(p): State<Probe>, body: Bytes) -> impl IntoRespo
 async fn big(State(p): State<Probe>) -> impl IntoResponse {
     let run = p.enter().await;
     let chunk = format!("run {run};").repeat(1000);
-    (StatusCode::OK, chunk)
+    (StatusCode::OK, [("location", format!("/big/{run}"))], chunk)
 }
 
 async fn panics(State(p): State<Probe>) -> &'static str {
