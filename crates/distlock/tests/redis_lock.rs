@@ -497,6 +497,96 @@ async fn an_ambiguous_acquisition_is_cleaned_up() {
     assert!(lock.try_acquire().await.unwrap().release().await.unwrap());
 }
 
+/// A connection that blocks its thread, once armed, after a reply came and before it is handed
+/// on: a process stalled (descheduled, paused, swapped out) between the store's answer and the
+/// code that reads it.
+#[derive(Clone)]
+struct Stalling {
+    inner: redis::aio::MultiplexedConnection,
+    stall_ms: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Stalling {
+    fn stall(&self) {
+        let ms = self.stall_ms.swap(0, std::sync::atomic::Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(ms));
+    }
+}
+
+impl redis::aio::ConnectionLike for Stalling {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        Box::pin(async move {
+            let reply = self.inner.req_packed_command(cmd).await;
+            self.stall();
+            reply
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        Box::pin(async move {
+            let reply = self
+                .inner
+                .req_packed_commands(pipeline, offset, count)
+                .await;
+            self.stall();
+            reply
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        self.inner.get_db()
+    }
+}
+
+/// The process stalls past the lease between the acquisition's reply and its handling (the
+/// command timeout cannot fire: the reply is ready when the timer is looked at). The lease can
+/// no longer be proven, so no guard is handed out: the attempt fails as one that timed out (and
+/// is cleaned up as one; here the lock has expired by then anyway). Before, the caller got a
+/// guard already lost, whose fence was
+/// usable at a resource; and on one Redis the fence is drawn behind the `SET`, so a stall
+/// between the two could have drawn it after the next holder's.
+#[tokio::test]
+async fn a_reply_handled_after_the_lease_ended_is_never_a_guard() {
+    let server = RedisServer::start_owned().await;
+    let prefix = testkit::unique_prefix("stalled-reply");
+    let conn = Stalling {
+        inner: server
+            .client()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap(),
+        stall_ms: Arc::default(),
+    };
+    let c = LockClient::builder()
+        .config(short_lease(300))
+        .prefix(&prefix)
+        .unwrap()
+        .redis(conn.clone())
+        .unwrap();
+    let lock = c.lock("k").unwrap();
+    // Warm up the connection and load the scripts.
+    lock.try_acquire().await.unwrap().release().await.unwrap();
+    conn.stall_ms
+        .store(450, std::sync::atomic::Ordering::SeqCst);
+    match lock.try_acquire().await {
+        Err(LockError::Unavailable { ambiguous, .. }) => assert!(ambiguous),
+        Ok(guard) => panic!(
+            "a guard handed out after its lease (held: {}, fence {})",
+            guard.is_held(),
+            guard.fence()
+        ),
+        Err(other) => panic!("expected an ambiguous Unavailable, got {other:?}"),
+    }
+}
+
 /// An explicit release whose future is dropped after its first poll (the caller's request
 /// cancelled, a `select!` that took another branch) still releases: as a dropped guard does, in
 /// a task. On a current-thread runtime the first poll only queues the command, and redis-rs
