@@ -35,7 +35,7 @@ const TASKS: usize = 64;
 
 /// The ways of sending a fenced acquire + release compared in section 1's alternatives table,
 /// each sent with the plain client by 64 tasks on distinct keys.
-const ALTERNATIVES: [(&str, Alternative, Release); 8] = [
+const ALTERNATIVES: [(&str, Alternative, Release); 9] = [
     (
         "Lua script + release with PUBLISH (before)",
         Alternative::Script,
@@ -59,6 +59,11 @@ const ALTERNATIVES: [(&str, Alternative, Release); 8] = [
     (
         "pipelined HINCRBY + SET NX PX, no MULTI (unsafe) + release with PUBLISH",
         Alternative::Pipeline,
+        Release::Publish,
+    ),
+    (
+        "pipelined SET NX PX, then HINCRBY, no MULTI (safe: what the crate sends) + release FCALL",
+        Alternative::SetThenFence,
         Release::Publish,
     ),
     (

@@ -86,6 +86,10 @@ pub enum Alternative {
     Pipeline,
     /// The small script as a Redis 7 function (`FCALL`).
     Function,
+    /// `SET NX PX`, then `HINCRBY`, pipelined without `MULTI`, the release a function: what the
+    /// crate sends on one Redis since `acquire_plain`. Safe: the fence is drawn after the `SET`,
+    /// so within the lease of an acquisition whose reply comes within the command timeout.
+    SetThenFence,
 }
 
 /// How the release is sent.
@@ -187,6 +191,24 @@ pub async fn alternative_pair(
             .invoke_async(conn)
             .await
             .unwrap(),
+        Alternative::SetThenFence => {
+            let (set, fence): (Option<String>, i64) = redis::pipe()
+                .cmd("SET")
+                .arg(&lock)
+                .arg("token")
+                .arg("NX")
+                .arg("PX")
+                .arg(10_000)
+                .cmd("HINCRBY")
+                .arg(&state)
+                .arg("n")
+                .arg(1)
+                .query_async(conn)
+                .await
+                .unwrap();
+            assert!(set.is_some(), "uncontended");
+            fence
+        }
         Alternative::Multi | Alternative::Pipeline => {
             let mut pipe = redis::pipe();
             if acquire == Alternative::Multi {
@@ -219,14 +241,16 @@ pub async fn alternative_pair(
     };
     assert!(fence >= 1, "uncontended");
     let released: i64 = match (acquire, release) {
-        (Alternative::Function, Release::Publish) => redis::cmd("FCALL")
-            .arg("benchlock_release")
-            .arg(1)
-            .arg(&lock)
-            .arg("token")
-            .query_async(conn)
-            .await
-            .unwrap(),
+        (Alternative::Function | Alternative::SetThenFence, Release::Publish) => {
+            redis::cmd("FCALL")
+                .arg("benchlock_release")
+                .arg(1)
+                .arg(&lock)
+                .arg("token")
+                .query_async(conn)
+                .await
+                .unwrap()
+        }
         (_, Release::Publish) => scripts
             .release
             .key(&lock)

@@ -738,7 +738,9 @@ impl LockClientBuilder {
         describe: String,
     ) -> Result<LockClient, ConfigError> {
         let waiters = self.waiters();
-        let backend = RedisBackend::new(conn, waiters, describe).with_replicas(self.replicas);
+        let backend = RedisBackend::new(conn, waiters, describe)
+            .with_replicas(self.replicas)
+            .with_pipelined_fences();
         self.build(Arc::new(backend))
     }
 

@@ -617,7 +617,8 @@ async fn hand_over(server: &RedisServer, proxy: &FaultProxy, client: &LockClient
     let held = lock.try_acquire().await.unwrap();
     let ours = held.token().as_str().to_owned();
     let mut admin = server.connection().await;
-    let before = server.script_calls().await;
+    // An exclusive acquisition is a `SET NX PX` (with the fence drawn behind it), no script.
+    let before = server.command_calls("set").await;
     let waiter = tokio::spawn({
         let lock = lock.clone();
         async move { lock.acquire(Duration::from_secs(30)).await }
@@ -625,7 +626,8 @@ async fn hand_over(server: &RedisServer, proxy: &FaultProxy, client: &LockClient
     // The waiter tried, subscribed, and looked again: two attempts, then it sleeps.
     assert!(
         eventually(Duration::from_secs(10), || async {
-            server.subscribers(&channel).await > 0 && server.script_calls().await >= before + 2
+            server.subscribers(&channel).await > 0
+                && server.command_calls("set").await >= before + 2
         })
         .await,
         "the waiter never settled to wait"

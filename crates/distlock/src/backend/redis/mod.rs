@@ -36,6 +36,10 @@ pub(crate) struct RedisBackend<C> {
     replicas: Option<(usize, Duration)>,
     /// Whether this server is sent functions or scripts.
     calls: Arc<Calls>,
+    /// Whether a fenced exclusive acquisition draws its fence in a pipeline behind its `SET`
+    /// (one Redis, Cluster, Sentinel) or in the acquisition script (Redlock nodes, whose
+    /// fences [`crate::backend::redlock`] combines).
+    pipelined_fences: bool,
 }
 
 impl<C> std::fmt::Debug for RedisBackend<C> {
@@ -54,11 +58,19 @@ impl<C: Conn> RedisBackend<C> {
             describe,
             replicas: None,
             calls: Arc::default(),
+            pipelined_fences: false,
         }
     }
 
     pub(crate) fn with_replicas(mut self, replicas: Option<(usize, Duration)>) -> Self {
         self.replicas = replicas;
+        self
+    }
+
+    /// Fenced exclusive acquisitions without a script (see [`RedisBackend::acquire_plain`]):
+    /// for a backend that is the whole store, not a Redlock node.
+    pub(crate) fn with_pipelined_fences(mut self) -> Self {
+        self.pipelined_fences = true;
         self
     }
 }
@@ -363,27 +375,56 @@ impl<C: Conn> RedisBackend<C> {
         }
     }
 
-    /// An exclusive acquisition without a fencing token: `SET NX PX`, and `GET` + `PTTL` for the case
-    /// it is held, in one round trip and no script.
-    async fn acquire_unfenced(&self, op: &Op) -> Result<Attempt, LockError> {
-        // One command when the lock is free (the common case); the holder's remaining lease,
-        // which paces waiting, costs a second one only when it is not.
+    /// An exclusive acquisition without a script: `SET NX PX`, with (fenced) the `HINCRBY` of
+    /// the fencing counter right behind it in one pipeline, and `GET` + `PTTL` for the case it
+    /// is held. One round trip when the lock is free.
+    ///
+    /// The fence is not drawn atomically with the `SET`, and need not be: it is drawn after
+    /// it, on the same connection, before the reply. A draw behind a `SET` that found the lock
+    /// held burns a number (fences must increase, not be dense). A draw behind a `SET` that
+    /// took the lock happens while the lock is this attempt's: the `SET` started the lease, and
+    /// the draw came before the reply, which is used only if it is handled before the lease
+    /// can no longer be proven (`sent + lease - drift`: [`crate::lock::attempt`] cleans up a
+    /// later one as a timeout; the command timeout, under half of that, ends the wait for it
+    /// sooner). So even a client stalled between writing the `SET` and the `HINCRBY` (a
+    /// partial write on a busy connection) uses no fence drawn after its lease. The holders'
+    /// leases do not overlap, so the fences drawn within them increase in the holders' order.
+    /// (A draw before the `SET` could be overtaken: a holder whose `SET` came late would hold
+    /// a smaller fence than the holder before it.)
+    async fn acquire_plain(&self, op: &Op) -> Result<Attempt, LockError> {
+        // One round trip when the lock is free (the common case); the holder's remaining
+        // lease, which paces waiting, costs a second one only when it is not.
         let key = op.name.lock_key();
         let mut conn = self.conn.clone();
-        let set: Option<redis::Value> = redis::cmd("SET")
-            .arg(key)
+        let mut set = redis::cmd("SET");
+        set.arg(key)
             .arg(op.token.as_str())
             .arg("NX")
             .arg("PX")
-            .arg(millis(op.lease))
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| LockError::from_redis(op.name.as_str(), true, e))?;
-        if set.is_some() {
-            return Ok(Attempt::Acquired { fence: 0 });
+            .arg(millis(op.lease));
+        let (taken, fence): (Option<redis::Value>, u64) = if op.fencing {
+            let state = op.name.state_key();
+            let mut pipe = redis::pipe();
+            pipe.add_command(set)
+                .cmd("HINCRBY")
+                .arg(state)
+                .arg("n")
+                .arg(1);
+            let ttl = op.state_ttl_ms();
+            if ttl != 0 {
+                pipe.cmd("PEXPIRE").arg(state).arg(ttl).ignore();
+            }
+            pipe.query_async(&mut conn).await
+        } else {
+            set.query_async(&mut conn).await.map(|taken| (taken, 0))
+        }
+        .map_err(|e| LockError::from_redis(op.name.as_str(), true, e))?;
+        if taken.is_some() {
+            return Ok(Attempt::Acquired { fence });
         }
         // Whose it is, too: the `SET` sent again (a cluster client resends a command whose
-        // connection broke before its reply) finds this attempt's own token.
+        // connection broke before its reply) finds this attempt's own token, and the fence
+        // drawn behind it was drawn while the lock was ours.
         let checked: Result<(Option<String>, i64), _> = redis::pipe()
             .get(key)
             .pttl(key)
@@ -391,7 +432,7 @@ impl<C: Conn> RedisBackend<C> {
             .await;
         let pttl = match checked {
             Ok((holder, _)) if holder.as_deref() == Some(op.token.as_str()) => {
-                return Ok(Attempt::Acquired { fence: 0 });
+                return Ok(Attempt::Acquired { fence });
             }
             Ok((_, pttl)) => pttl,
             // Not a string: a reentrant lock of the same name holds it (a hash).
@@ -442,8 +483,10 @@ impl<C: Conn> Backend for RedisBackend<C> {
             let keys = [op.name.lock_key(), op.name.state_key()];
             let name = op.name.as_str();
             let (attempt, acknowledged) = match &op.mode {
-                Mode::Exclusive if !op.fencing && self.replicas.is_none() => {
-                    (self.acquire_unfenced(op).await?, None)
+                Mode::Exclusive
+                    if (!op.fencing || self.pipelined_fences) && self.replicas.is_none() =>
+                {
+                    (self.acquire_plain(op).await?, None)
                 }
                 Mode::Exclusive => {
                     let mut call = self.call(&SCRIPTS.acquire, &keys, 3);
