@@ -738,9 +738,15 @@ impl LockClientBuilder {
         describe: String,
     ) -> Result<LockClient, ConfigError> {
         let waiters = self.waiters();
+        // Pipelined fences only on a connection known to reach one server.
+        let single = [
+            std::any::TypeId::of::<redis::aio::MultiplexedConnection>(),
+            std::any::TypeId::of::<redis::aio::ConnectionManager>(),
+        ]
+        .contains(&std::any::TypeId::of::<C>());
         let backend = RedisBackend::new(conn, waiters, describe)
             .with_replicas(self.replicas)
-            .with_pipelined_fences();
+            .with_pipelined_fences(single);
         self.build(Arc::new(backend))
     }
 

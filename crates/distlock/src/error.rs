@@ -231,6 +231,20 @@ impl LockError {
         }
     }
 
+    /// An acquisition's reply handled `after` its sending, when its lease could no longer be
+    /// proven: as ambiguous as a timeout (the lock it took is cleaned up).
+    pub(crate) fn late(name: &str, after: Duration) -> Self {
+        let io = std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("the reply was handled {after:?} after sending, past the lease"),
+        );
+        LockError::Unavailable {
+            name: name.to_owned(),
+            ambiguous: true,
+            source: redis::RedisError::from(io),
+        }
+    }
+
     pub(crate) fn broken(name: &str, detail: impl Into<String>) -> Self {
         LockError::BrokenRecord {
             name: name.to_owned(),

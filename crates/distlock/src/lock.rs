@@ -206,7 +206,10 @@ pub(crate) async fn attempt(
         // have been drawn after the lease ended (see `RedisBackend::acquire_plain`). Cleaned
         // up like a timeout.
         Ok(Ok(Attempt::Acquired { .. })) if clock::now() >= sent + op.lease - config.drift() => {
-            LockError::timeout(op.name.as_str(), true, config.op_timeout())
+            LockError::late(
+                op.name.as_str(),
+                clock::now().saturating_duration_since(sent),
+            )
         }
         Ok(Ok(attempt)) => return Ok((attempt, sent)),
         Ok(Err(error)) => error,

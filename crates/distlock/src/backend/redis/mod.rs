@@ -1,6 +1,7 @@
 //! The lock on one Redis (standalone, a Sentinel-managed master, or a Redis Cluster): every
 //! operation is one call of a script from `scripts/` (`FCALL` of its function, or `EVALSHA` where
-//! the server has no functions for us: see `call.rs`), generic over any
+//! the server has no functions for us: see `call.rs`), except an exclusive acquisition, plain
+//! commands where they do (`RedisBackend::acquire_plain`); generic over any
 //! `redis::aio::ConnectionLike` that can be cloned (multiplexed, managed or cluster connections).
 
 use std::sync::Arc;
@@ -68,9 +69,13 @@ impl<C: Conn> RedisBackend<C> {
     }
 
     /// Fenced exclusive acquisitions without a script (see [`RedisBackend::acquire_plain`]):
-    /// for a backend that is the whole store, not a Redlock node.
-    pub(crate) fn with_pipelined_fences(mut self) -> Self {
-        self.pipelined_fences = true;
+    /// for a connection to one server that is the whole store. Not for a Redlock master (its
+    /// fence is combined with the others'), a Cluster (a slot moving between the `SET` and the
+    /// `HINCRBY` makes the client send both again elsewhere: a `SET` there without its draw),
+    /// nor a Sentinel-managed master (failovers are expected: the lock and its draw must
+    /// replicate as one, which a script's effects do).
+    pub(crate) fn with_pipelined_fences(mut self, on: bool) -> Self {
+        self.pipelined_fences = on;
         self
     }
 }
@@ -286,6 +291,35 @@ pub(crate) fn parse_acquired(name: &str, reply: Value) -> Result<Attempt, LockEr
     }
 }
 
+/// Appends the draw of a fence to `pipe`: the counter's `HINCRBY`, then the state's expiry
+/// when it has one.
+fn draw(pipe: &mut redis::Pipeline, op: &Op) {
+    let state = op.name.state_key();
+    pipe.cmd("HINCRBY").arg(state).arg("n").arg("1");
+    let ttl = op.state_ttl_ms();
+    if ttl != 0 {
+        pipe.cmd("PEXPIRE").arg(state).arg(ttl);
+    }
+}
+
+/// The fence of the replies to [`draw`]'s commands; an error if any of them failed.
+fn drawn(
+    name: &str,
+    replies: impl Iterator<Item = redis::RedisResult<Value>>,
+) -> Result<u64, LockError> {
+    let mut fence = None;
+    for (i, reply) in replies.enumerate() {
+        let reply = reply.map_err(|e| LockError::from_redis(name, false, e))?;
+        if i == 0 {
+            fence = int(&reply).filter(|f| *f >= 1);
+        }
+    }
+    match fence {
+        Some(fence) => Ok(fence as u64),
+        None => Err(LockError::protocol(name, "acquire: HINCRBY drew no fence")),
+    }
+}
+
 impl<C: Conn> RedisBackend<C> {
     /// A call of `script` on `keys`; the caller appends the arguments.
     fn call(&self, script: &'static scripts::LuaScript, keys: &[&str], args: usize) -> Call {
@@ -377,7 +411,8 @@ impl<C: Conn> RedisBackend<C> {
 
     /// An exclusive acquisition without a script: `SET NX PX`, with (fenced) the `HINCRBY` of
     /// the fencing counter right behind it in one pipeline, and `GET` + `PTTL` for the case it
-    /// is held. One round trip when the lock is free.
+    /// is held. One round trip when the lock is free. Only on a connection to one server (see
+    /// [`RedisBackend::with_pipelined_fences`]).
     ///
     /// The fence is not drawn atomically with the `SET`, and need not be: it is drawn after
     /// it, on the same connection, before the reply. A draw behind a `SET` that found the lock
@@ -391,9 +426,13 @@ impl<C: Conn> RedisBackend<C> {
     /// leases do not overlap, so the fences drawn within them increase in the holders' order.
     /// (A draw before the `SET` could be overtaken: a holder whose `SET` came late would hold
     /// a smaller fence than the holder before it.)
+    ///
+    /// A `SET` that took the lock but whose draw failed (the state key of another type, a
+    /// refused write) is released: a lock without its fence does not stay behind.
     async fn acquire_plain(&self, op: &Op) -> Result<Attempt, LockError> {
         // One round trip when the lock is free (the common case); the holder's remaining
         // lease, which paces waiting, costs a second one only when it is not.
+        let name = op.name.as_str();
         let key = op.name.lock_key();
         let mut conn = self.conn.clone();
         let mut set = redis::cmd("SET");
@@ -402,29 +441,33 @@ impl<C: Conn> RedisBackend<C> {
             .arg("NX")
             .arg("PX")
             .arg(millis(op.lease));
-        let (taken, fence): (Option<redis::Value>, u64) = if op.fencing {
-            let state = op.name.state_key();
+        let ambiguous = |e| LockError::from_redis(name, true, e);
+        if op.fencing {
             let mut pipe = redis::pipe();
-            pipe.add_command(set)
-                .cmd("HINCRBY")
-                .arg(state)
-                .arg("n")
-                .arg(1);
-            let ttl = op.state_ttl_ms();
-            if ttl != 0 {
-                pipe.cmd("PEXPIRE").arg(state).arg(ttl).ignore();
+            pipe.ignore_errors().add_command(set);
+            draw(&mut pipe, op);
+            let replies: Vec<redis::RedisResult<Value>> =
+                pipe.query_async(&mut conn).await.map_err(ambiguous)?;
+            let mut replies = replies.into_iter();
+            let taken = replies
+                .next()
+                .ok_or_else(|| LockError::protocol(name, "acquire: no reply to SET"))?
+                .map_err(|e| LockError::from_redis(name, false, e))?;
+            if taken != Value::Nil {
+                return match drawn(name, replies) {
+                    Ok(fence) => Ok(Attempt::Acquired { fence }),
+                    Err(error) => Err(self.undo(op, error).await),
+                };
             }
-            pipe.query_async(&mut conn).await
         } else {
-            set.query_async(&mut conn).await.map(|taken| (taken, 0))
-        }
-        .map_err(|e| LockError::from_redis(op.name.as_str(), true, e))?;
-        if taken.is_some() {
-            return Ok(Attempt::Acquired { fence });
+            let taken: Value = set.query_async(&mut conn).await.map_err(ambiguous)?;
+            if taken != Value::Nil {
+                return Ok(Attempt::Acquired { fence: 0 });
+            }
         }
         // Whose it is, too: the `SET` sent again (a cluster client resends a command whose
-        // connection broke before its reply) finds this attempt's own token, and the fence
-        // drawn behind it was drawn while the lock was ours.
+        // connection broke before its reply) finds this attempt's own token. (So a failure
+        // here is ambiguous: that `SET` may have taken the lock.)
         let checked: Result<(Option<String>, i64), _> = redis::pipe()
             .get(key)
             .pttl(key)
@@ -432,7 +475,23 @@ impl<C: Conn> RedisBackend<C> {
             .await;
         let pttl = match checked {
             Ok((holder, _)) if holder.as_deref() == Some(op.token.as_str()) => {
-                return Ok(Attempt::Acquired { fence });
+                if !op.fencing {
+                    return Ok(Attempt::Acquired { fence: 0 });
+                }
+                // The fence drawn behind this copy may predate the copy that took the lock:
+                // one is drawn now, while the lock is seen to be ours.
+                let mut pipe = redis::pipe();
+                pipe.ignore_errors();
+                draw(&mut pipe, op);
+                let replies: Vec<redis::RedisResult<Value>> =
+                    match pipe.query_async(&mut conn).await {
+                        Ok(replies) => replies,
+                        Err(e) => return Err(self.undo(op, ambiguous(e)).await),
+                    };
+                return match drawn(name, replies.into_iter()) {
+                    Ok(fence) => Ok(Attempt::Acquired { fence }),
+                    Err(error) => Err(self.undo(op, error).await),
+                };
             }
             Ok((_, pttl)) => pttl,
             // Not a string: a reentrant lock of the same name holds it (a hash).
@@ -440,8 +499,8 @@ impl<C: Conn> RedisBackend<C> {
                 .arg(key)
                 .query_async(&mut conn)
                 .await
-                .map_err(|e| LockError::from_redis(op.name.as_str(), false, e))?,
-            Err(e) => return Err(LockError::from_redis(op.name.as_str(), false, e)),
+                .map_err(|e| LockError::from_redis(name, false, e))?,
+            Err(e) => return Err(ambiguous(e)),
         };
         Ok(Attempt::held(match pttl {
             // Expired between the two commands (-2), or no expiry at all (-1).
@@ -449,6 +508,16 @@ impl<C: Conn> RedisBackend<C> {
             -1 => None,
             p => Some(Duration::from_millis(p.max(0) as u64)),
         }))
+    }
+
+    /// An acquisition that took the lock and cannot stand (no fence drawn, too few replicas):
+    /// the lock is released now, or, if that fails, by the caller's cleanup of an ambiguous
+    /// attempt. Returns the error to report.
+    async fn undo(&self, op: &Op, error: LockError) -> LockError {
+        match self.release(op).await {
+            Ok(_) => error,
+            Err(release) => release.into_ambiguous_unavailable(),
+        }
     }
 
     /// (Redlock) Raises this node's fencing counter to `fence` if the lock here is ours. The
@@ -529,11 +598,7 @@ impl<C: Conn> Backend for RedisBackend<C> {
             {
                 // Too few replicas have the lock, or the check itself failed: it does not count,
                 // and it must not stay behind for a whole lease.
-                if let Err(release) = self.release(op).await {
-                    // The cleanup in the caller retries it.
-                    return Err(release.into_ambiguous_unavailable());
-                }
-                return Err(error);
+                return Err(self.undo(op, error).await);
             }
             Ok(attempt)
         })
@@ -895,5 +960,154 @@ mod tests {
             );
         }
         assert!(parse_flag("k", "release", Value::Nil).is_err());
+    }
+}
+
+/// The pipelined acquisition against a real Redis, with interleavings placed by a connection
+/// that runs other clients' commands between a reply and its handling.
+#[cfg(test)]
+mod pipelined_tests {
+    use std::sync::{Arc, Mutex};
+
+    use redis::AsyncCommands;
+
+    use super::*;
+    use crate::backend::waiters::Waiters;
+    use crate::{LockName, Token};
+
+    type Hook = Box<dyn FnOnce() -> futures_util::future::BoxFuture<'static, ()> + Send>;
+
+    /// Runs `hook` (once, when set) after the next pipeline's reply came, before handing it on.
+    #[derive(Clone)]
+    struct Interleaving {
+        inner: redis::aio::MultiplexedConnection,
+        hook: Arc<Mutex<Option<Hook>>>,
+    }
+
+    impl ConnectionLike for Interleaving {
+        fn req_packed_command<'a>(
+            &'a mut self,
+            cmd: &'a redis::Cmd,
+        ) -> redis::RedisFuture<'a, Value> {
+            self.inner.req_packed_command(cmd)
+        }
+
+        fn req_packed_commands<'a>(
+            &'a mut self,
+            pipeline: &'a redis::Pipeline,
+            offset: usize,
+            count: usize,
+        ) -> redis::RedisFuture<'a, Vec<Value>> {
+            Box::pin(async move {
+                let replies = self
+                    .inner
+                    .req_packed_commands(pipeline, offset, count)
+                    .await;
+                let hook = self.hook.lock().unwrap().take();
+                if let Some(hook) = hook {
+                    hook().await;
+                }
+                replies
+            })
+        }
+
+        fn get_db(&self) -> i64 {
+            self.inner.get_db()
+        }
+    }
+
+    fn op(name: &LockName) -> Op {
+        Op {
+            name: name.clone(),
+            token: Token::random(),
+            lease: Duration::from_secs(10),
+            drift: Duration::from_millis(2),
+            fencing: true,
+            state_ttl: None,
+            mode: Mode::Exclusive,
+        }
+    }
+
+    async fn backend(server: &testkit::RedisServer) -> (RedisBackend<Interleaving>, Interleaving) {
+        let conn = Interleaving {
+            inner: server.connection().await,
+            hook: Arc::default(),
+        };
+        let backend = RedisBackend::new(conn.clone(), Waiters::local(), "redis".into())
+            .with_pipelined_fences(true);
+        (backend, conn)
+    }
+
+    /// A cluster client resends an acquisition whose connection broke: the copy whose reply is
+    /// handled found the lock held and drew a fence; then the holder released, another holder
+    /// came and went, and the first copy's `SET` took the lock. The attempt sees its own token
+    /// and holds the lock, after the other holder: its fence must be greater than that
+    /// holder's, so it is drawn again (before: the copy's, drawn before the other holder's).
+    #[tokio::test]
+    async fn a_resent_acquisition_that_finds_its_own_token_draws_its_fence_then() {
+        let server = testkit::RedisServer::start().await;
+        let (backend, conn) = backend(&server).await;
+        let name = LockName::new(&testkit::unique_prefix("resent"), "k").unwrap();
+        let x = op(&name);
+        let (key, state) = (name.lock_key().to_owned(), name.state_key().to_owned());
+        let mut admin = server.connection().await;
+        // W holds the lock.
+        let _: () = redis::cmd("SET")
+            .arg(&key)
+            .arg("w")
+            .arg("PX")
+            .arg(10_000)
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        let other_fence = Arc::new(Mutex::new(0u64));
+        *conn.hook.lock().unwrap() = Some(Box::new({
+            let (key, state, token) = (key.clone(), state.clone(), x.token.as_str().to_owned());
+            let other_fence = other_fence.clone();
+            let mut admin = admin.clone();
+            move || {
+                Box::pin(async move {
+                    // W releases; Y takes the lock, draws, releases; X's first copy lands.
+                    let _: () = admin.del(&key).await.unwrap();
+                    let _: () = admin.set(&key, "y").await.unwrap();
+                    let y: u64 = admin.hincr(&state, "n", 1).await.unwrap();
+                    *other_fence.lock().unwrap() = y;
+                    let _: () = admin.del(&key).await.unwrap();
+                    let _: () = redis::cmd("SET")
+                        .arg(&key)
+                        .arg(&token)
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(10_000)
+                        .query_async(&mut admin)
+                        .await
+                        .unwrap();
+                })
+            }
+        }));
+        let attempt = backend.acquire(&x).await.unwrap();
+        let y = *other_fence.lock().unwrap();
+        assert!(y > 0, "the interleaving ran");
+        match attempt {
+            Attempt::Acquired { fence } => {
+                assert!(fence > y, "the holder after Y has fence {fence}, Y had {y}")
+            }
+            other => panic!("its own token holds the lock: {other:?}"),
+        }
+    }
+
+    /// The `SET` takes the lock but the draw behind it fails (here the state key holds a
+    /// string): the lock is released, not left held without a fence for its whole lease.
+    #[tokio::test]
+    async fn a_lock_whose_fence_could_not_be_drawn_is_released() {
+        let server = testkit::RedisServer::start().await;
+        let (backend, _) = backend(&server).await;
+        let name = LockName::new(&testkit::unique_prefix("no-draw"), "k").unwrap();
+        let mut admin = server.connection().await;
+        let _: () = admin.set(name.state_key(), "not a hash").await.unwrap();
+        let x = op(&name);
+        assert!(backend.acquire(&x).await.is_err(), "no fence, no lock");
+        let held: bool = admin.exists(name.lock_key()).await.unwrap();
+        assert!(!held, "the lock taken without a fence is released");
     }
 }

@@ -1,7 +1,8 @@
 -- Takes an exclusive lock if it is free, atomically with its fencing counter. Kept to the
--- minimum, with an integer reply. Sent to Redlock masters (whose fences the client combines)
--- and with replica acknowledgements (`WAIT` behind it); on one Redis, a fenced acquisition is
--- `SET NX PX` with the `HINCRBY` behind it in one pipeline (`RedisBackend::acquire_plain`).
+-- minimum, with an integer reply. Sent to Redlock masters (whose fences the client combines), a
+-- Cluster, a Sentinel-managed master, and with replica acknowledgements (`WAIT` behind it); on
+-- one Redis reached directly, a fenced acquisition is `SET NX PX` with the `HINCRBY` behind it
+-- in one pipeline (`RedisBackend::acquire_plain`).
 --
 -- KEYS[1]  lock key: a string holding the owner token, with the lease as its expiry
 -- KEYS[2]  state key: a hash with n = fencing counter. Both keys share one {hash tag}.
