@@ -68,13 +68,14 @@ pub(crate) async fn response(
     let record = whole(&run, status, headers, body, trailers);
     // A body not kept is what would be stored instead.
     let instead = match body {
-        Some(_) => Instead::Head(status, headers),
+        Some(_) => Instead::Head(status, headers, trailers),
         None => Instead::Unknown,
     };
     store(run, &record, Event::Executed, instead).await;
 }
 
-/// The sealed record of a final response stored whole.
+/// The sealed record of a final response stored whole; its trailers are kept with or without
+/// the body (a gRPC outcome is its `grpc-status` trailer).
 pub(crate) fn whole(
     run: &Run,
     status: StatusCode,
@@ -96,7 +97,7 @@ pub(crate) fn whole(
     run.sealer().seal_whole(
         &run.head(kind, status, headers, &vary),
         body.unwrap_or_default(),
-        body.and(trailers),
+        trailers,
     )
 }
 
@@ -122,13 +123,8 @@ pub(crate) async fn end(
         .sealer()
         .seal_end(index, run.guard.fence(), kept, len, trailers);
     // Refused (a part lost behind the record's back): the outcome is still known.
-    store(
-        run,
-        &record,
-        Event::Executed,
-        Instead::Head(status, headers),
-    )
-    .await;
+    let instead = Instead::Head(status, headers, trailers);
+    store(run, &record, Event::Executed, instead).await;
 }
 
 /// The request headers a response varies on (its `Vary`), with the values the request had
@@ -221,8 +217,9 @@ pub(crate) async fn release(run: Box<Run>, event: Event) {
 pub(crate) enum Instead<'a> {
     /// The refused record is a whole response: its head, read back from it.
     ItsHead,
-    /// The response's status and headers (a streamed record, whose head was appended).
-    Head(StatusCode, &'a HeaderMap),
+    /// The response's status, headers and trailers (a streamed record, whose head was
+    /// appended).
+    Head(StatusCode, &'a HeaderMap, Option<&'a HeaderMap>),
     /// No response to tell of (or the refused record already is the outcome without its body).
     Unknown,
 }
@@ -241,23 +238,27 @@ fn replacement(run: &Run, refused: &[u8], instead: Instead<'_>) -> Option<(Vec<u
 
 /// The sealed outcome of a response without its body, stored in place of `refused`.
 fn without_body(run: &Run, refused: &[u8], instead: Instead<'_>) -> Option<Vec<u8>> {
-    let seal = |status, headers: &HeaderMap, vary: &HeaderMap| {
+    let seal = |status, headers: &HeaderMap, vary: &HeaderMap, trailers| {
         run.sealer().seal_whole(
             &run.head(Kind::BodyNotKept, status, headers, vary),
             &[],
-            None,
+            trailers,
         )
     };
     match instead {
-        Instead::Head(status, headers) => {
-            Some(seal(status, headers, &negotiated(headers, &run.negotiated)))
-        }
+        Instead::Head(status, headers, trailers) => Some(seal(
+            status,
+            headers,
+            &negotiated(headers, &run.negotiated),
+            trailers,
+        )),
         // Read back only once the store has refused it: nothing is kept for this meanwhile.
         Instead::ItsHead => match run.sealer().open_part(0, 0, refused) {
             Ok(Part::Whole(record)) if record.head.kind == Kind::Response => Some(seal(
                 record.head.status,
                 &record.head.headers,
                 &record.head.vary,
+                Some(&record.trailers),
             )),
             _ => None,
         },

@@ -18,7 +18,7 @@
 //! | `outcome-unknown` | 500 | a retry of a request whose handler panicked, failed or whose body broke off: it may have done its work (with the attempt's `fence`, for reconciliation) |
 //! | `store-unavailable` | 503 | the store cannot be reached (with `Retry-After`; fail-closed mode) |
 //! | `store-full` | 503 | the in-memory store is full of requests in flight, none of which may be evicted (with `Retry-After`; fail-closed mode) |
-//! | `response-not-stored` | 410 | a retry of a request whose response body was not stored (over the record limit, opted out with [`KeepBody::No`](crate::KeepBody), or refused or lost by the store): it was processed (the `original_status` member says with which status, and stored headers such as `Location` are kept), the body cannot be replayed |
+//! | `response-not-stored` | 410 | a retry of a request whose response body was not stored (over the record limit, opted out with [`KeepBody::No`](crate::KeepBody), or refused or lost by the store): it was processed (the `original_status` member says with which status, `original_grpc_status` with which `grpc-status` for a gRPC response, and stored headers such as `Location` are kept), the body cannot be replayed |
 //!
 //! The [`Rejection`] itself travels in the response extensions, so outer middleware and tests can
 //! tell which rule answered. The `type` URIs point at these docs by default
@@ -108,6 +108,9 @@ pub enum Rejection {
         status: StatusCode,
         /// The storage limit in bytes.
         limit: usize,
+        /// The original `grpc-status` (from its trailers, or its head for a trailers-only
+        /// response), for a gRPC response: the outcome a gRPC client knows it by.
+        grpc_status: Option<u16>,
     },
     /// The stored response varies on a request header this request sends differently.
     NotAcceptable {
@@ -265,12 +268,17 @@ impl Rejection {
                  Retry after {} s.",
                 whole_seconds(*retry_after)
             ),
-            Rejection::ResponseNotStored { status, limit } => format!(
-                "The original request was processed with status {}, but its response body was not \
-                 stored (bodies over {limit} bytes are not, nor those the service or the store \
-                 did not keep), so it cannot be replayed. Do not send the request again \
+            Rejection::ResponseNotStored {
+                status,
+                limit,
+                grpc_status,
+            } => format!(
+                "The original request was processed with status {}{}, but its response body was \
+                 not stored (bodies over {limit} bytes are not, nor those the service or the \
+                 store did not keep), so it cannot be replayed. Do not send the request again \
                  with a new key unless you mean to repeat it.",
-                status.as_u16()
+                status.as_u16(),
+                grpc_status.map_or(String::new(), |code| format!(" and grpc-status {code}")),
             ),
             Rejection::NotAcceptable { header } => format!(
                 "The request with this key was processed, and its response varies on the {header} \
@@ -338,8 +346,15 @@ impl Rejection {
             "detail": self.detail(),
         });
         match self {
-            Rejection::ResponseNotStored { status, .. } => {
+            Rejection::ResponseNotStored {
+                status,
+                grpc_status,
+                ..
+            } => {
                 value["original_status"] = status.as_u16().into();
+                if let Some(code) = grpc_status {
+                    value["original_grpc_status"] = (*code).into();
+                }
             }
             Rejection::OutcomeUnknown { fence } => value["fence"] = (*fence).into(),
             _ => {}
@@ -535,6 +550,12 @@ mod tests {
             Rejection::ResponseNotStored {
                 status: StatusCode::CREATED,
                 limit: 9,
+                grpc_status: None,
+            },
+            Rejection::ResponseNotStored {
+                status: StatusCode::OK,
+                limit: 9,
+                grpc_status: Some(13),
             },
             Rejection::OutcomeUnknown { fence: 7 },
             Rejection::PrincipalMissing {

@@ -100,8 +100,12 @@ pub(crate) async fn replay<B>(
             len,
             trailers,
         }) => (trailers.is_empty() && has_body(head.status)).then_some(len),
-        Ok(Part::End { kept: false, .. }) => {
-            return (not_kept(config, head), Event::Replayed);
+        Ok(Part::End {
+            kept: false,
+            trailers,
+            ..
+        }) => {
+            return (not_kept(config, head, &trailers), Event::Replayed);
         }
         Ok(Part::Unknown) => {
             let rejection = Rejection::OutcomeUnknown { fence: head.fence };
@@ -220,7 +224,7 @@ fn replay_whole<B>(
             *response.headers_mut() = kept_headers(config, record.head.headers);
             replayed(response)
         }
-        Kind::BodyNotKept => not_kept(config, record.head),
+        Kind::BodyNotKept => not_kept(config, record.head, &record.trailers),
         Kind::Unknown => replayed(problem(
             config,
             &Rejection::OutcomeUnknown {
@@ -260,13 +264,19 @@ fn replayed<B>(mut response: Response<ResponseBody<B>>) -> Response<ResponseBody
 
 /// The answer for an outcome stored without its body: never a 2xx with a body the handler did
 /// not produce; the stored headers (a `Location`, say) still tell the client where the result is,
-/// but not those that described the body ([`DESCRIBE_THE_BODY`]).
-fn not_kept<B>(config: &Config, head: Head) -> Response<ResponseBody<B>> {
+/// but not those that described the body ([`DESCRIBE_THE_BODY`]); a gRPC response's
+/// `grpc-status` (its `trailers`, or its head when it had none) is named.
+fn not_kept<B>(config: &Config, head: Head, trailers: &HeaderMap) -> Response<ResponseBody<B>> {
+    let grpc_status = [trailers, &head.headers]
+        .into_iter()
+        .find_map(|headers| headers.get("grpc-status"))
+        .and_then(|code| code.to_str().ok()?.parse().ok());
     let mut response = problem(
         config,
         &Rejection::ResponseNotStored {
             status: head.status,
             limit: config.record_limit,
+            grpc_status,
         },
     );
     for (name, value) in &kept_headers(config, head.headers) {

@@ -348,10 +348,14 @@ impl Sink {
                 let trailers = trailers.as_ref();
                 complete::end(run, status, headers, true, self.len, trailers).await;
             }
+            // Not kept: the trailers are (a gRPC outcome is its `grpc-status`).
             Mode::Dropped if run.guard.appended() > 0 => {
-                complete::end(run, status, headers, false, self.len, None).await;
+                let trailers = trailers.as_ref();
+                complete::end(run, status, headers, false, self.len, trailers).await;
             }
-            Mode::Dropped => complete::response(run, status, headers, None, None).await,
+            Mode::Dropped => {
+                complete::response(run, status, headers, None, trailers.as_ref()).await;
+            }
         }
     }
 }

@@ -16,14 +16,22 @@ use payments::{CreatePaymentRequest, Ledger, PaymentsServer, create_payment};
 use support::{SECRET, TestStore, within};
 use tonic::Code;
 use tonic::transport::Channel;
-use tower_idempotency::Store;
+use tower_idempotency::{IdempotencyLayerBuilder, Store};
 
 async fn serve(store: &Store, ledger: &Ledger) -> Channel {
+    serve_with(store, ledger, |b| b).await
+}
+
+async fn serve_with(
+    store: &Store,
+    ledger: &Ledger,
+    configure: impl FnOnce(IdempotencyLayerBuilder) -> IdempotencyLayerBuilder,
+) -> Channel {
     let server = tonic::transport::Server::builder()
         .layer(tonic::service::InterceptorLayer::new(
             payments::authenticate,
         ))
-        .layer(payments::idempotency(store.clone(), SECRET).unwrap())
+        .layer(payments::idempotency_with(store.clone(), SECRET, configure).unwrap())
         .add_service(PaymentsServer::new(ledger.clone()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -161,7 +169,37 @@ async fn concurrent_calls_charge_once(s: TestStore) {
     assert_eq!(ledger.payments().len(), 1, "charged once");
 }
 
-both_stores!(calls_and_retries, concurrent_calls_charge_once);
+/// A response over the record limit is sent in full and stored without its body: the retry is
+/// told so (FAILED_PRECONDITION, never run again), and with the outcome a gRPC client knows it
+/// by, the first call's `grpc-status` (before: only "status 200", which every gRPC response
+/// has). Its trailers are kept with the outcome.
+async fn a_response_not_kept_names_its_grpc_status(s: TestStore) {
+    let ledger = Ledger::default();
+    let channel = serve_with(&s.store, &ledger, |b| b.record_limit(4)).await;
+    let (first, replayed) = create_payment(channel.clone(), "m1", Some("big"), create("o1", 5))
+        .await
+        .unwrap();
+    assert!(!replayed, "the first call gets its payment: {first:?}");
+    let retry = create_payment(channel.clone(), "m1", Some("big"), create("o1", 5))
+        .await
+        .unwrap_err();
+    assert_eq!(retry.code(), Code::FailedPrecondition, "{retry:?}");
+    assert!(
+        retry.message().starts_with("response-not-stored"),
+        "{retry:?}"
+    );
+    assert!(
+        retry.message().contains("grpc-status 0"),
+        "the first call's grpc-status (OK) is named: {retry:?}"
+    );
+    assert_eq!(ledger.calls.load(Ordering::SeqCst), 1, "never run again");
+}
+
+both_stores!(
+    calls_and_retries,
+    concurrent_calls_charge_once,
+    a_response_not_kept_names_its_grpc_status
+);
 
 /// The store unreachable: UNAVAILABLE, the handler not run.
 #[tokio::test]

@@ -195,6 +195,8 @@ async fn a_body_not_kept_is_never_replayed_as_a_success(s: TestStore) {
     .await;
     assert_eq!(retry.status, StatusCode::GONE, "{retry:?}");
     assert_eq!(retry.problem(), "response-not-stored");
+    // Its trailers were kept with the outcome: a gRPC client learns its `grpc-status`.
+    assert_eq!(retry.json()["original_grpc_status"], 0, "{retry:?}");
 
     let t = Tokens::new(false);
     let app_limited = app_with_limit(&s, &t, 200);

@@ -19,7 +19,9 @@ use tonic::server::{NamedService, UnaryService};
 use tonic::{Request, Response, Status};
 use tonic_prost::ProstCodec;
 use tower::Service;
-use tower_idempotency::{IdempotencyContext, IdempotencyLayer, Store, principal};
+use tower_idempotency::{
+    IdempotencyContext, IdempotencyLayer, IdempotencyLayerBuilder, Store, principal,
+};
 
 /// `payments.v1.CreatePaymentRequest`.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -97,11 +99,20 @@ pub(crate) fn idempotency(
     store: Store,
     secret: &[u8],
 ) -> Result<IdempotencyLayer, tower_idempotency::ConfigError> {
-    IdempotencyLayer::builder(store)
+    idempotency_with(store, secret, |b| b)
+}
+
+/// [`idempotency`], configured further by `configure` (a test's record limit, say).
+pub(crate) fn idempotency_with(
+    store: Store,
+    secret: &[u8],
+    configure: impl FnOnce(IdempotencyLayerBuilder) -> IdempotencyLayerBuilder,
+) -> Result<IdempotencyLayer, tower_idempotency::ConfigError> {
+    let builder = IdempotencyLayer::builder(store)
         .secret(secret)?
         .principal(principal::extension(|m: &Merchant| m.0.clone()))
-        .grpc_rejections()
-        .build()
+        .grpc_rejections();
+    configure(builder).build()
 }
 
 /// The `payments.v1.Payments` service.

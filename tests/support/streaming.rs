@@ -95,6 +95,8 @@ async fn tokens(State(t): State<Tokens>, Query(q): Query<TokensQuery>) -> Respon
                 }
                 let mut trailers = http::HeaderMap::new();
                 trailers.insert("x-tokens", q.n.to_string().parse().unwrap());
+                // As a gRPC response ends (the layer names it when the body is not kept).
+                trailers.insert("grpc-status", "0".parse().unwrap());
                 return Some((Ok::<_, Infallible>(Frame::trailers(trailers)), i + 1));
             }
             if i > 0 {
@@ -114,9 +116,10 @@ async fn tokens(State(t): State<Tokens>, Query(q): Query<TokensQuery>) -> Respon
     }
     if q.trailers {
         // HTTP/1.1 servers (hyper) send only the trailer fields the head declares.
-        response
-            .headers_mut()
-            .insert("trailer", http::HeaderValue::from_static("x-tokens"));
+        response.headers_mut().insert(
+            "trailer",
+            http::HeaderValue::from_static("x-tokens, grpc-status"),
+        );
     }
     response
 }
