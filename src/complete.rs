@@ -57,7 +57,7 @@ impl Run {
 }
 
 /// Stores a final response whole (nothing was appended): its status, kept headers, body
-/// (`None`: not kept, only the status and headers are) and trailers.
+/// (`None`: not kept, only the status, headers and `grpc-status` trailer are) and trailers.
 pub(crate) async fn response(
     run: Box<Run>,
     status: StatusCode,
@@ -74,8 +74,8 @@ pub(crate) async fn response(
     store(run, &record, Event::Executed, instead).await;
 }
 
-/// The sealed record of a final response stored whole; its trailers are kept with or without
-/// the body (a gRPC outcome is its `grpc-status` trailer).
+/// The sealed record of a final response stored whole (without its body: with its
+/// `grpc-status` trailer only, see [`outcome_trailers`]).
 pub(crate) fn whole(
     run: &Run,
     status: StatusCode,
@@ -94,12 +94,32 @@ pub(crate) fn whole(
         }
     };
     let vary = negotiated(headers, &run.negotiated);
+    let outcome;
+    let trailers = match body {
+        Some(_) => trailers,
+        None => {
+            outcome = outcome_trailers(trailers);
+            outcome.as_ref()
+        }
+    };
     run.sealer().seal_whole(
         &run.head(kind, status, headers, &vary),
         body.unwrap_or_default(),
         trailers,
     )
 }
+
+/// The trailers kept with an outcome stored without its body: `grpc-status` alone (a gRPC
+/// call's outcome, which the retry's `response-not-stored` names); nothing else of a body that
+/// is not kept stays in the store.
+fn outcome_trailers(trailers: Option<&HeaderMap>) -> Option<HeaderMap> {
+    let status = trailers?.get(GRPC_STATUS)?;
+    let mut kept = HeaderMap::with_capacity(1);
+    kept.insert(GRPC_STATUS, status.clone());
+    Some(kept)
+}
+
+const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 
 /// Ends a streamed record (its head and chunks were appended) of a response with `status` and
 /// `headers`: whether the body was kept, its length, its trailers.
@@ -119,9 +139,15 @@ pub(crate) async fn end(
         );
     }
     let index = run.guard.appended();
+    let outcome = if kept {
+        None
+    } else {
+        outcome_trailers(trailers)
+    };
+    let ended = if kept { trailers } else { outcome.as_ref() };
     let record = run
         .sealer()
-        .seal_end(index, run.guard.fence(), kept, len, trailers);
+        .seal_end(index, run.guard.fence(), kept, len, ended);
     // Refused (a part lost behind the record's back): the outcome is still known.
     let instead = Instead::Head(status, headers, trailers);
     store(run, &record, Event::Executed, instead).await;
@@ -210,7 +236,7 @@ pub(crate) async fn release(run: Box<Run>, event: Event) {
 
 /// What is stored in place of a record the store refuses (its parts lost mid-stream, a full
 /// in-memory store, a record over the store's part limit, a script error): the handler has
-/// answered, so its outcome without the body (status and kept headers: a retry gets 410
+/// answered, so its outcome without the body (status, kept headers, `grpc-status`: a retry gets 410
 /// `response-not-stored`) when the response is known; otherwise that the outcome is unknown
 /// (with [`UnknownOutcome::Record`]).
 #[derive(Debug, Clone, Copy)]
@@ -242,7 +268,7 @@ fn without_body(run: &Run, refused: &[u8], instead: Instead<'_>) -> Option<Vec<u
         run.sealer().seal_whole(
             &run.head(Kind::BodyNotKept, status, headers, vary),
             &[],
-            trailers,
+            outcome_trailers(trailers).as_ref(),
         )
     };
     match instead {

@@ -577,9 +577,9 @@ impl IdempotencyLayerBuilder {
 
     /// Largest response body stored for replay (default 64 MiB on stores that stream records,
     /// which hold one chunk of it in memory at a time; 1 MiB on Redlock, which keeps it in
-    /// memory and stores it whole). A larger response is still sent in full; its status and
-    /// headers are stored without the body, and retries get a `response-not-stored` problem
-    /// instead of running the handler again.
+    /// memory and stores it whole). A larger response is still sent in full; its status,
+    /// headers and `grpc-status` trailer are stored without the body, and retries get a
+    /// `response-not-stored` problem instead of running the handler again.
     ///
     /// ```
     /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())

@@ -73,8 +73,9 @@ pub enum Outcome {
 
 /// Whether a final response's body is kept for replay (a response extension; default
 /// [`KeepBody::Yes`]). With [`KeepBody::No`] the body goes to the client and is not stored: the
-/// outcome (status and headers) is, and retries get `410 response-not-stored` (for large
-/// downloads a client can fetch again, or streams not worth storing).
+/// outcome (status, headers, a `grpc-status` trailer) is, and retries get
+/// `410 response-not-stored` (for large downloads a client can fetch again, or streams not
+/// worth storing).
 ///
 /// ```
 /// use axum::{Extension, response::IntoResponse};

@@ -108,8 +108,8 @@ pub enum Rejection {
         status: StatusCode,
         /// The storage limit in bytes.
         limit: usize,
-        /// The original `grpc-status` (from its trailers, or its head for a trailers-only
-        /// response), for a gRPC response: the outcome a gRPC client knows it by.
+        /// The original `grpc-status`, when the response had one (in its trailers, or in its
+        /// head for a trailers-only response): the outcome a gRPC client knows it by.
         grpc_status: Option<u16>,
     },
     /// The stored response varies on a request header this request sends differently.

@@ -264,8 +264,8 @@ fn replayed<B>(mut response: Response<ResponseBody<B>>) -> Response<ResponseBody
 
 /// The answer for an outcome stored without its body: never a 2xx with a body the handler did
 /// not produce; the stored headers (a `Location`, say) still tell the client where the result is,
-/// but not those that described the body ([`DESCRIBE_THE_BODY`]); a gRPC response's
-/// `grpc-status` (its `trailers`, or its head when it had none) is named.
+/// but not those that described the body ([`DESCRIBE_THE_BODY`]) nor a gRPC status; the
+/// response's `grpc-status` (its `trailers`, or its head when it had none) is named.
 fn not_kept<B>(config: &Config, head: Head, trailers: &HeaderMap) -> Response<ResponseBody<B>> {
     let grpc_status = [trailers, &head.headers]
         .into_iter()
@@ -280,12 +280,22 @@ fn not_kept<B>(config: &Config, head: Head, trailers: &HeaderMap) -> Response<Re
         },
     );
     for (name, value) in &kept_headers(config, head.headers) {
-        if !DESCRIBE_THE_BODY.contains(name) {
+        // Nor the status a trailers-only gRPC response carried in its head: the rejection's own
+        // `grpc-status` must be the only one (a client that reads the last of two would take
+        // the stored `0` for a success).
+        if !DESCRIBE_THE_BODY.contains(name) && !GRPC_STATUS.contains(name) {
             response.headers_mut().append(name.clone(), value.clone());
         }
     }
     replayed(response)
 }
+
+/// A gRPC call's status fields, which a rejection of its own replaces.
+const GRPC_STATUS: [HeaderName; 3] = [
+    HeaderName::from_static("grpc-status"),
+    HeaderName::from_static("grpc-message"),
+    HeaderName::from_static("grpc-status-details-bin"),
+];
 
 /// Headers that describe a response's body (its representation), not the resource: they
 /// would misdescribe a problem that replaces the body (a client decoding `content-encoding:

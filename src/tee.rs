@@ -10,7 +10,8 @@
 //!   the trailers. The layer holds at most one chunk of it. On a store that does not stream
 //!   (Redlock), the body is kept in memory up to the record limit and stored whole at the end.
 //! * Over the record limit, or when the handler said [`KeepBody::No`](crate::KeepBody), the
-//!   body is still sent in full, and its outcome (status, headers) stored without it.
+//!   body is still sent in full, and its outcome (status, headers, `grpc-status` trailer)
+//!   stored without it.
 //! * A body that fails half-way: the client sees an aborted body; the outcome is unknown. So
 //!   does a body that ends short of the `content-length` its head announces (a server aborts
 //!   such a response); one longer than announced is cut there, as a server cuts it
@@ -348,7 +349,7 @@ impl Sink {
                 let trailers = trailers.as_ref();
                 complete::end(run, status, headers, true, self.len, trailers).await;
             }
-            // Not kept: the trailers are (a gRPC outcome is its `grpc-status`).
+            // Not kept: its `grpc-status` trailer is (a gRPC call's outcome).
             Mode::Dropped if run.guard.appended() > 0 => {
                 let trailers = trailers.as_ref();
                 complete::end(run, status, headers, false, self.len, trailers).await;

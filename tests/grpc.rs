@@ -201,6 +201,55 @@ both_stores!(
     a_response_not_kept_names_its_grpc_status
 );
 
+/// A trailers-only gRPC reply (its `grpc-status` in the head) whose outcome is stored without
+/// its body: the retry's rejection carries one `grpc-status`, its own (before: the stored `0`
+/// was copied beside it, and a client that reads the last value took the retry for a success).
+#[tokio::test]
+async fn a_trailers_only_reply_not_kept_is_refused_with_one_grpc_status() {
+    use axum::response::IntoResponse;
+    let layer = tower_idempotency::IdempotencyLayer::builder(Store::memory())
+        .secret(SECRET)
+        .unwrap()
+        .principal(|_: &http::request::Parts| Some("anonymous".into()))
+        .grpc_rejections()
+        .build()
+        .unwrap();
+    let app = axum::Router::new()
+        .route(
+            "/p.S/M",
+            axum::routing::post(|| async {
+                let mut reply = (
+                    [("content-type", "application/grpc"), ("grpc-status", "0")],
+                    (),
+                )
+                    .into_response();
+                reply
+                    .extensions_mut()
+                    .insert(tower_idempotency::KeepBody::No);
+                reply
+            }),
+        )
+        .layer(layer);
+    let call = || {
+        http::Request::post("/p.S/M")
+            .header("content-type", "application/grpc")
+            .header("idempotency-key", "k")
+            .body(axum::body::Body::empty())
+            .unwrap()
+    };
+    let first = support::send(&app, call()).await;
+    assert_eq!(first.headers["grpc-status"], "0", "{first:?}");
+    let retry = support::send(&app, call()).await;
+    let statuses: Vec<_> = retry.headers.get_all("grpc-status").iter().collect();
+    assert_eq!(
+        statuses,
+        [&http::HeaderValue::from(Code::FailedPrecondition as u16)],
+        "{retry:?}"
+    );
+    let message = retry.headers["grpc-message"].to_str().unwrap();
+    assert!(message.contains("grpc-status 0"), "{message}");
+}
+
 /// The store unreachable: UNAVAILABLE, the handler not run.
 #[tokio::test]
 async fn an_unreachable_store_is_unavailable() {

@@ -202,7 +202,7 @@ async fn a_body_not_kept_is_never_replayed_as_a_success(s: TestStore) {
     let app_limited = app_with_limit(&s, &t, 200);
     let first = app_limited
         .clone()
-        .oneshot(request("/tokens", "over"))
+        .oneshot(request("/tokens?trailers=true", "over"))
         .await
         .unwrap();
     let mut first_body = first.into_body();
@@ -213,7 +213,7 @@ async fn a_body_not_kept_is_never_replayed_as_a_success(s: TestStore) {
     tokio::time::sleep(Duration::from_millis(50)).await;
     let joiner = app_limited
         .clone()
-        .oneshot(request("/tokens", "over"))
+        .oneshot(request("/tokens?trailers=true", "over"))
         .await
         .unwrap();
     t.open();
@@ -223,8 +223,10 @@ async fn a_body_not_kept_is_never_replayed_as_a_success(s: TestStore) {
         read_all(joiner.into_body()).await.is_err(),
         "the joiner cannot get the body the record did not keep: it breaks off"
     );
-    let retry = support::send(&app_limited, request("/tokens", "over")).await;
+    let retry = support::send(&app_limited, request("/tokens?trailers=true", "over")).await;
     assert_eq!(retry.status, StatusCode::GONE);
+    // Over the limit after parts were appended: the end keeps the `grpc-status` trailer.
+    assert_eq!(retry.json()["original_grpc_status"], 0, "{retry:?}");
     assert_eq!(t.runs(), 1);
 }
 

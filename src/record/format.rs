@@ -34,7 +34,7 @@ pub(crate) enum Kind {
     /// A response, replayed as it was.
     Response,
     /// A response whose body was not kept (over the record limit, opted out, or refused or
-    /// lost by the store): status and headers only.
+    /// lost by the store): status, headers and the `grpc-status` trailer only.
     BodyNotKept,
     /// The handler started and its outcome is unknown (panic, error, failed body).
     Unknown,
