@@ -1043,6 +1043,8 @@ async fn a_full_memory_store_evicts_outcomes_never_requests_in_flight() {
         assert_eq!(again.problem(), "response-not-stored");
         assert_eq!(again.json()["original_status"], 200, "{again:?}");
         assert_eq!(again.headers["location"], big.headers["location"]);
+        // The refused record's `grpc-status` trailer is kept with the replacement.
+        assert_eq!(again.json()["original_grpc_status"], 0, "{again:?}");
         assert!(
             !again.headers["content-type"]
                 .to_str()

@@ -209,10 +209,21 @@ async fn status_from_body(State(p): State<Probe>, body: Bytes) -> impl IntoRespo
     )
 }
 
+/// A 6 KB body, with a `grpc-status` trailer (as a gRPC call ends: kept with an outcome
+/// stored without its body).
 async fn big(State(p): State<Probe>) -> impl IntoResponse {
     let run = p.enter().await;
     let chunk = format!("run {run};").repeat(1000);
-    (StatusCode::OK, [("location", format!("/big/{run}"))], chunk)
+    let body = http_body_util::Full::new(Bytes::from(chunk)).with_trailers(async {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", "0".parse().unwrap());
+        Some(Ok(trailers))
+    });
+    (
+        StatusCode::OK,
+        [("location", format!("/big/{run}"))],
+        Body::new(body),
+    )
 }
 
 async fn panics(State(p): State<Probe>) -> &'static str {
