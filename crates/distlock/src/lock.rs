@@ -199,17 +199,15 @@ pub(crate) async fn attempt(
     };
     let outcome = crate::backend::timed(config.op_timeout(), backend.acquire(op)).await;
     in_flight.armed = false;
+    let handled = clock::now();
     let error = match outcome {
         // Taken, but handled when its lease can no longer be proven (the process stalled
         // between the store's answer and here, so the timeout could not fire): a guard already
         // lost is never handed out, and on one Redis its fence, drawn behind the `SET`, may
         // have been drawn after the lease ended (see `RedisBackend::acquire_plain`). Cleaned
         // up like a timeout.
-        Ok(Ok(Attempt::Acquired { .. })) if clock::now() >= sent + op.lease - config.drift() => {
-            LockError::late(
-                op.name.as_str(),
-                clock::now().saturating_duration_since(sent),
-            )
+        Ok(Ok(Attempt::Acquired { .. })) if handled >= sent + op.lease - config.drift() => {
+            LockError::late(op.name.as_str(), handled - sent)
         }
         Ok(Ok(attempt)) => return Ok((attempt, sent)),
         Ok(Err(error)) => error,

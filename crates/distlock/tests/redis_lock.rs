@@ -497,55 +497,6 @@ async fn an_ambiguous_acquisition_is_cleaned_up() {
     assert!(lock.try_acquire().await.unwrap().release().await.unwrap());
 }
 
-/// A connection that blocks its thread, once armed, after a reply came and before it is handed
-/// on: a process stalled (descheduled, paused, swapped out) between the store's answer and the
-/// code that reads it.
-#[derive(Clone)]
-struct Stalling {
-    inner: redis::aio::MultiplexedConnection,
-    stall_ms: Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl Stalling {
-    fn stall(&self) {
-        let ms = self.stall_ms.swap(0, std::sync::atomic::Ordering::SeqCst);
-        std::thread::sleep(Duration::from_millis(ms));
-    }
-}
-
-impl redis::aio::ConnectionLike for Stalling {
-    fn req_packed_command<'a>(
-        &'a mut self,
-        cmd: &'a redis::Cmd,
-    ) -> redis::RedisFuture<'a, redis::Value> {
-        Box::pin(async move {
-            let reply = self.inner.req_packed_command(cmd).await;
-            self.stall();
-            reply
-        })
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a redis::Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
-        Box::pin(async move {
-            let reply = self
-                .inner
-                .req_packed_commands(pipeline, offset, count)
-                .await;
-            self.stall();
-            reply
-        })
-    }
-
-    fn get_db(&self) -> i64 {
-        self.inner.get_db()
-    }
-}
-
 /// The process stalls past the lease between the acquisition's reply and its handling (the
 /// command timeout cannot fire: the reply is ready when the timer is looked at). The lease can
 /// no longer be proven, so no guard is handed out: the attempt fails as one that timed out (and
@@ -557,14 +508,7 @@ impl redis::aio::ConnectionLike for Stalling {
 async fn a_reply_handled_after_the_lease_ended_is_never_a_guard() {
     let server = RedisServer::start_owned().await;
     let prefix = testkit::unique_prefix("stalled-reply");
-    let conn = Stalling {
-        inner: server
-            .client()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap(),
-        stall_ms: Arc::default(),
-    };
+    let conn = testkit::HookedConnection::new(server.connection().await);
     let c = LockClient::builder()
         .config(short_lease(300))
         .prefix(&prefix)
@@ -574,8 +518,8 @@ async fn a_reply_handled_after_the_lease_ended_is_never_a_guard() {
     let lock = c.lock("k").unwrap();
     // Warm up the connection and load the scripts.
     lock.try_acquire().await.unwrap().release().await.unwrap();
-    conn.stall_ms
-        .store(450, std::sync::atomic::Ordering::SeqCst);
+    // The process stalls (its thread blocked) with the next reply in hand.
+    conn.after_next_reply(|| async { std::thread::sleep(ms(450)) });
     match lock.try_acquire().await {
         Err(LockError::Unavailable { ambiguous, .. }) => assert!(ambiguous),
         Ok(guard) => panic!(

@@ -11,10 +11,13 @@
 //! * [`TestCa`] and [`ServerOptions::tls`]: a CA with server and client certificates, and a
 //!   `redis-server` serving TLS with them (mutual TLS optional).
 //! * [`RedisServer::acl_user`]: a least-privilege ACL user and the URL that logs in as it.
+//! * [`HookedConnection`]: a connection that runs a hook between a reply and its handling (a
+//!   stall, or other clients' commands placed there).
 
 mod cluster;
 mod fenced;
 mod history;
+mod hook;
 mod proxy;
 mod sentinel;
 mod server;
@@ -23,6 +26,7 @@ mod tls;
 pub use cluster::RedisCluster;
 pub use fenced::{FENCED_WRITE_LUA, FencedResource};
 pub use history::{History, Open, Report, Section, check, instant_ns, now_ns};
+pub use hook::HookedConnection;
 pub use proxy::FaultProxy;
 pub use sentinel::{RedisSentinel, SERVICE as SENTINEL_SERVICE};
 pub use server::{HarnessError, RedisServer, ServerOptions, free_port, free_port_pair};

@@ -454,10 +454,7 @@ impl<C: Conn> RedisBackend<C> {
                 .ok_or_else(|| LockError::protocol(name, "acquire: no reply to SET"))?
                 .map_err(|e| LockError::from_redis(name, false, e))?;
             if taken != Value::Nil {
-                return match drawn(name, replies) {
-                    Ok(fence) => Ok(Attempt::Acquired { fence }),
-                    Err(error) => Err(self.undo(op, error).await),
-                };
+                return self.fenced(op, drawn(name, replies)).await;
             }
         } else {
             let taken: Value = set.query_async(&mut conn).await.map_err(ambiguous)?;
@@ -483,15 +480,13 @@ impl<C: Conn> RedisBackend<C> {
                 let mut pipe = redis::pipe();
                 pipe.ignore_errors();
                 draw(&mut pipe, op);
-                let replies: Vec<redis::RedisResult<Value>> =
-                    match pipe.query_async(&mut conn).await {
-                        Ok(replies) => replies,
-                        Err(e) => return Err(self.undo(op, ambiguous(e)).await),
-                    };
-                return match drawn(name, replies.into_iter()) {
-                    Ok(fence) => Ok(Attempt::Acquired { fence }),
-                    Err(error) => Err(self.undo(op, error).await),
+                let replies: Result<Vec<redis::RedisResult<Value>>, _> =
+                    pipe.query_async(&mut conn).await;
+                let fence = match replies {
+                    Ok(replies) => drawn(name, replies.into_iter()),
+                    Err(e) => Err(ambiguous(e)),
                 };
+                return self.fenced(op, fence).await;
             }
             Ok((_, pttl)) => pttl,
             // Not a string: a reentrant lock of the same name holds it (a hash).
@@ -508,6 +503,15 @@ impl<C: Conn> RedisBackend<C> {
             -1 => None,
             p => Some(Duration::from_millis(p.max(0) as u64)),
         }))
+    }
+
+    /// An acquisition that took the lock, with the fence drawn for it: without one, it does not
+    /// stand ([`undo`](Self::undo)).
+    async fn fenced(&self, op: &Op, fence: Result<u64, LockError>) -> Result<Attempt, LockError> {
+        match fence {
+            Ok(fence) => Ok(Attempt::Acquired { fence }),
+            Err(error) => Err(self.undo(op, error).await),
+        }
     }
 
     /// An acquisition that took the lock and cannot stand (no fence drawn, too few replicas):
@@ -974,47 +978,7 @@ mod pipelined_tests {
     use super::*;
     use crate::backend::waiters::Waiters;
     use crate::{LockName, Token};
-
-    type Hook = Box<dyn FnOnce() -> futures_util::future::BoxFuture<'static, ()> + Send>;
-
-    /// Runs `hook` (once, when set) after the next pipeline's reply came, before handing it on.
-    #[derive(Clone)]
-    struct Interleaving {
-        inner: redis::aio::MultiplexedConnection,
-        hook: Arc<Mutex<Option<Hook>>>,
-    }
-
-    impl ConnectionLike for Interleaving {
-        fn req_packed_command<'a>(
-            &'a mut self,
-            cmd: &'a redis::Cmd,
-        ) -> redis::RedisFuture<'a, Value> {
-            self.inner.req_packed_command(cmd)
-        }
-
-        fn req_packed_commands<'a>(
-            &'a mut self,
-            pipeline: &'a redis::Pipeline,
-            offset: usize,
-            count: usize,
-        ) -> redis::RedisFuture<'a, Vec<Value>> {
-            Box::pin(async move {
-                let replies = self
-                    .inner
-                    .req_packed_commands(pipeline, offset, count)
-                    .await;
-                let hook = self.hook.lock().unwrap().take();
-                if let Some(hook) = hook {
-                    hook().await;
-                }
-                replies
-            })
-        }
-
-        fn get_db(&self) -> i64 {
-            self.inner.get_db()
-        }
-    }
+    use testkit::HookedConnection;
 
     fn op(name: &LockName) -> Op {
         Op {
@@ -1028,11 +992,10 @@ mod pipelined_tests {
         }
     }
 
-    async fn backend(server: &testkit::RedisServer) -> (RedisBackend<Interleaving>, Interleaving) {
-        let conn = Interleaving {
-            inner: server.connection().await,
-            hook: Arc::default(),
-        };
+    async fn backend(
+        server: &testkit::RedisServer,
+    ) -> (RedisBackend<HookedConnection>, HookedConnection) {
+        let conn = HookedConnection::new(server.connection().await);
         let backend = RedisBackend::new(conn.clone(), Waiters::local(), "redis".into())
             .with_pipelined_fences(true);
         (backend, conn)
@@ -1061,12 +1024,12 @@ mod pipelined_tests {
             .await
             .unwrap();
         let other_fence = Arc::new(Mutex::new(0u64));
-        *conn.hook.lock().unwrap() = Some(Box::new({
+        conn.after_next_reply({
             let (key, state, token) = (key.clone(), state.clone(), x.token.as_str().to_owned());
             let other_fence = other_fence.clone();
             let mut admin = admin.clone();
             move || {
-                Box::pin(async move {
+                async move {
                     // W releases; Y takes the lock, draws, releases; X's first copy lands.
                     let _: () = admin.del(&key).await.unwrap();
                     let _: () = admin.set(&key, "y").await.unwrap();
@@ -1082,9 +1045,9 @@ mod pipelined_tests {
                         .query_async(&mut admin)
                         .await
                         .unwrap();
-                })
+                }
             }
-        }));
+        });
         let attempt = backend.acquire(&x).await.unwrap();
         let y = *other_fence.lock().unwrap();
         assert!(y > 0, "the interleaving ran");
