@@ -187,16 +187,18 @@ impl LockError {
     pub(crate) fn from_redis(name: &str, ambiguous: bool, source: redis::RedisError) -> Self {
         use redis::{ErrorKind, ServerErrorKind};
         let transient = match source.kind() {
-            ErrorKind::Server(kind) => matches!(
-                kind,
-                ServerErrorKind::BusyLoading
-                    | ServerErrorKind::TryAgain
-                    | ServerErrorKind::ClusterDown
-                    | ServerErrorKind::MasterDown
-                    | ServerErrorKind::ReadOnly
-                    | ServerErrorKind::Moved
-                    | ServerErrorKind::Ask
-            ),
+            ErrorKind::Server(kind) => {
+                matches!(
+                    kind,
+                    ServerErrorKind::BusyLoading
+                        | ServerErrorKind::TryAgain
+                        | ServerErrorKind::ClusterDown
+                        | ServerErrorKind::MasterDown
+                        | ServerErrorKind::ReadOnly
+                        | ServerErrorKind::Moved
+                        | ServerErrorKind::Ask
+                ) || at_max_clients(&source)
+            }
             ErrorKind::Extension => matches!(source.code(), Some("BUSY") | Some("NOREPLICAS")),
             ErrorKind::Parse | ErrorKind::UnexpectedReturnType => false,
             _ => true,
@@ -318,9 +320,31 @@ impl std::fmt::Display for LossReason {
     }
 }
 
+/// A Redis at `maxclients` answers a new connection's first command with "ERR max number of
+/// clients reached" (a reconnecting client meets it): the store is out of reach for now, the
+/// command did not run; not a command it refused.
+fn at_max_clients(source: &redis::RedisError) -> bool {
+    source
+        .detail()
+        .is_some_and(|d| d.starts_with("max number of clients reached"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_redis_at_maxclients_is_unavailable_and_nothing_ran() {
+        let full = redis::RedisError::from((
+            redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError),
+            "ERR",
+            "max number of clients reached".to_owned(),
+        ));
+        match LockError::from_redis("k", true, full) {
+            LockError::Unavailable { ambiguous, .. } => assert!(!ambiguous, "nothing ran"),
+            other => panic!("expected Unavailable, got {other:?}"),
+        }
+    }
 
     #[test]
     fn io_errors_are_unavailable_and_script_errors_are_not() {

@@ -1068,3 +1068,60 @@ async fn a_waiter_whose_hand_over_came_too_early_looks_again() {
         assert!(guard.release().await.unwrap());
     }
 }
+
+/// A Redis at `maxclients` answers a reconnecting client's first command with "max number of
+/// clients reached": the store is out of reach for now, and a completion meeting it is retried
+/// within the lease like any unreachable store, not taken for a record the store refused
+/// (before: `LockError::Redis`, which the layer stored as an outcome without its body; found by
+/// `tests/disconnect.rs::the_client_leaves_while_the_completion_is_retried` on CI).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_meeting_maxclients_is_retried_until_redis_takes_connections() {
+    let server = RedisServer::start_owned().await;
+    let mut admin = server.connection().await;
+    let c = LockClient::builder()
+        .config(LockConfig::builder().lease(ms(30_000)).build().unwrap())
+        .prefix(&testkit::unique_prefix("maxclients"))
+        .unwrap()
+        .connect(&server.url())
+        .unwrap();
+    c.prepare().await.unwrap();
+    let once = c.once("o").unwrap();
+    let Begin::Acquired(mut guard) = once.begin("t").await.unwrap() else {
+        panic!("free")
+    };
+    let maxclients = |n: u32| {
+        let mut cmd = redis::cmd("CONFIG");
+        cmd.arg("SET").arg("maxclients").arg(n);
+        cmd
+    };
+    maxclients(1).query_async::<()>(&mut admin).await.unwrap();
+    redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("normal")
+        .arg("SKIPME")
+        .arg("yes")
+        .query_async::<i64>(&mut admin)
+        .await
+        .unwrap();
+    let completing = tokio::spawn(async move { guard.try_complete(b"record").await });
+    // Long enough for the reconnecting client to be answered "max number of clients reached"
+    // (not only broken pipes): up to about 8 s here. The 30 s lease outlasts it.
+    let refusing = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !completing.is_finished() && tokio::time::Instant::now() < refusing {
+        tokio::time::sleep(ms(50)).await;
+    }
+    maxclients(10_000)
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    let completed = tokio::time::timeout(Duration::from_secs(20), completing)
+        .await
+        .expect("the completion ends once Redis takes connections")
+        .unwrap();
+    assert!(completed.is_ok(), "retried until stored: {completed:?}");
+    let Begin::Done(record) = once.begin("t").await.unwrap() else {
+        panic!("the record is stored")
+    };
+    assert_eq!(record.whole().map(|r| &r[..]), Some(&b"record"[..]));
+}
