@@ -268,6 +268,12 @@ fn spawn_cleanup(backend: Arc<dyn Backend>, op: Op, config: LockConfig, sent: In
                         released,
                         "ambiguous acquisition cleaned up"
                     );
+                    // The lock was taken and is free again: wake the next waiter of this
+                    // client as a release would (a client without pub/sub hears no
+                    // announcement; one with it hears this token as already heard).
+                    if released && !matches!(op.mode, Mode::Reentrant { .. }) {
+                        crate::backend::wake_next(&*backend, &op);
+                    }
                     return;
                 }
                 _ if clock::now() >= until => return,
@@ -328,7 +334,7 @@ pub(crate) async fn acquire_until(
         registered.mark_seen();
         waiter = Some(registered);
     }
-    let (mut last, mut sent) = attempt(backend, op, config).await?;
+    let (mut last, mut sent) = look(backend, op, config, woken).await?;
     loop {
         let Attempt::Held { ttl, parts, .. } = &last else {
             return Ok((last, sent));
@@ -375,6 +381,46 @@ pub(crate) async fn acquire_until(
             }
         }
         op.token = Token::random();
-        (last, sent) = attempt(backend, op, config).await?;
+        (last, sent) = look(backend, op, config, woken).await?;
+    }
+}
+
+/// One attempt of a waiter, `woken` if a release woke it for this one. A release wakes one
+/// waiter of this client, and a wake this waiter took but did not spend goes to the next one
+/// (nothing else is coming to wake them): when the attempt fails, or is dropped (the caller
+/// gave up: a client that left), the lock may be free. A run-once record found done is passed
+/// on too, woken or not: every waiting duplicate wants it, and its completion woke one.
+async fn look(
+    backend: &Arc<dyn Backend>,
+    op: &Op,
+    config: &LockConfig,
+    woken: bool,
+) -> Result<(Attempt, Instant), LockError> {
+    let mut pass_on = PassOn {
+        backend,
+        op,
+        armed: woken,
+    };
+    let looked = attempt(backend, op, config).await;
+    pass_on.armed = match &looked {
+        Ok((Attempt::Acquired { .. } | Attempt::Held { .. }, _)) => false,
+        Ok((Attempt::Done { .. }, _)) => true,
+        Err(_) => woken,
+    };
+    looked
+}
+
+/// Wakes the next local waiter of `op`'s lock when dropped armed (see [`look`]).
+struct PassOn<'a> {
+    backend: &'a Arc<dyn Backend>,
+    op: &'a Op,
+    armed: bool,
+}
+
+impl Drop for PassOn<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.backend.waiters().pass_on(self.op.name.channel());
+        }
     }
 }

@@ -105,6 +105,7 @@ both!(
     a_lost_lease_mid_stream_is_abandoned_and_the_next_holder_starts_clean,
     abort_and_drop_after_appends_leave_no_parts,
     begin_wait_returns_on_the_first_part,
+    a_completion_reaches_every_waiting_duplicate,
     a_record_begun_again_after_it_expired_draws_a_larger_fence,
 );
 
@@ -657,6 +658,46 @@ async fn begin_wait_returns_on_the_first_part(store: Store) {
             assert_eq!(rest.await.unwrap(), Ok(vec![b(b"first"), b(b"last")]));
         }
         other => panic!("{other:?}"),
+    }
+}
+
+/// Every duplicate waiting for a run-once record gets it as soon as it is completed, not only
+/// the one the completion's announcement woke (a release wakes one waiter of a client: the next
+/// in line for the lock). Polling off, so that only announcements, and waiters passing them on,
+/// can wake them. Before, the woken one found the record and returned, and the others slept
+/// until their deadline and were told "in flight" about a record completed 20 s earlier.
+async fn a_completion_reaches_every_waiting_duplicate(store: Store) {
+    let quiet = LockConfig::builder()
+        .lease(Duration::from_secs(30))
+        .retry(ms(10), ms(50))
+        .polling(false)
+        .build()
+        .unwrap();
+    let writer = store.client(quiet.clone()).await;
+    let reader = store.client(quiet).await;
+    let once = writer.once("all-done").unwrap();
+    let g = holder(&once).await;
+    let waiting: Vec<_> = (0..4)
+        .map(|_| {
+            let once = reader.once("all-done").unwrap();
+            tokio::spawn(async move { once.begin_wait_done("fp", Duration::from_secs(20)).await })
+        })
+        .collect();
+    // Each looked, found it in flight, and sleeps until woken (or its deadline: the lease,
+    // 30 s away, is longer).
+    tokio::time::sleep(ms(300)).await;
+    assert!(waiting.iter().all(|w| !w.is_finished()), "nothing done yet");
+    g.complete(b"the record").await.unwrap();
+    for (i, w) in waiting.into_iter().enumerate() {
+        let got = tokio::time::timeout(Duration::from_secs(5), w)
+            .await
+            .unwrap_or_else(|_| panic!("waiter {i} still waits 5 s after the completion"))
+            .unwrap()
+            .unwrap();
+        match got {
+            Begin::Done(record) => assert_eq!(&record.first()[..], b"the record"),
+            other => panic!("waiter {i}: {other:?}"),
+        }
     }
 }
 

@@ -1125,3 +1125,65 @@ async fn a_completion_meeting_maxclients_is_retried_until_redis_takes_connection
     };
     assert_eq!(record.whole().map(|r| &r[..]), Some(&b"record"[..]));
 }
+
+tokio::task_local! {
+    /// Which waiter a task is, for a hook that runs inside it.
+    static WAITER: usize;
+}
+
+/// A release wakes one waiter of this client. That waiter's request is then dropped (a client
+/// that left: the normal case in a server) while its look at the lock is in flight. Its wake
+/// must go to the next waiter: the lock is free and no other release is coming. Before, the
+/// other waiter slept on until its own timer (polling off: the end of the old holder's lease,
+/// 30 s away). Here the dropped look had taken the lock, and its cleanup released it; on a
+/// client without pub/sub (a connection handed to the builder), that release woke no one.
+#[tokio::test]
+async fn a_woken_waiter_dropped_mid_attempt_passes_its_wake_on() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("dropped-waiter");
+    let conn = testkit::HookedConnection::new(server.connection().await);
+    let config = LockConfig::builder()
+        .lease(Duration::from_secs(30))
+        .retry(ms(10), ms(50))
+        .polling(false)
+        .build()
+        .unwrap();
+    let c = LockClient::builder()
+        .config(config)
+        .prefix(&prefix)
+        .unwrap()
+        .redis(conn.clone())
+        .unwrap();
+    let lock = c.lock("k").unwrap();
+    let held = lock.try_acquire().await.unwrap();
+    let mut waiters: Vec<_> = (0..2)
+        .map(|i| {
+            let lock = lock.clone();
+            tokio::spawn(WAITER.scope(
+                i,
+                async move { lock.acquire(Duration::from_secs(25)).await },
+            ))
+        })
+        .collect();
+    // Both looked, found the lock held, and sleep until woken (or the old lease's end).
+    tokio::time::sleep(ms(300)).await;
+    let (tell, woken) = tokio::sync::oneshot::channel();
+    conn.after_reply_to(b"_acquire", move || async move {
+        let _ = tell.send(WAITER.try_with(|w| *w).ok());
+        std::future::pending::<()>().await;
+    });
+    assert!(held.release().await.unwrap());
+    let woken = tokio::time::timeout(Duration::from_secs(5), woken)
+        .await
+        .expect("no waiter looked at the lock within 5 s of its release")
+        .unwrap()
+        .expect("the look ran outside the waiters' tasks");
+    waiters[woken].abort();
+    let other = &mut waiters[1 - woken];
+    let guard = tokio::time::timeout(Duration::from_secs(5), other)
+        .await
+        .expect("the other waiter still waits 5 s after the lock was freed")
+        .unwrap()
+        .unwrap();
+    assert!(guard.release().await.unwrap());
+}

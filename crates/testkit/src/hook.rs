@@ -11,12 +11,17 @@ use redis::{Cmd, Pipeline, RedisFuture, Value};
 
 type Hook = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
 
+/// A hook and what it waits for: the next reply (`None`), or the reply to the next command
+/// whose packed form contains these bytes.
+type Armed = (Option<Vec<u8>>, Hook);
+
 /// A multiplexed connection that, once armed, runs its hook after the next reply (of a command
-/// or a pipeline) came and before it is handed on. Clones share the hook.
+/// or a pipeline), or after the reply to a given command, came and before it is handed on.
+/// Clones share the hook.
 #[derive(Clone)]
 pub struct HookedConnection {
     inner: MultiplexedConnection,
-    hook: Arc<Mutex<Option<Hook>>>,
+    hook: Arc<Mutex<Option<Armed>>>,
 }
 
 impl std::fmt::Debug for HookedConnection {
@@ -41,23 +46,56 @@ impl HookedConnection {
         F: Future<Output = ()> + Send + 'static,
     {
         let hook: Hook = Box::new(move || Box::pin(hook()));
-        *self.hook.lock().unwrap_or_else(|e| e.into_inner()) = Some(hook);
+        *self.hook.lock().unwrap_or_else(|e| e.into_inner()) = Some((None, hook));
     }
 
-    async fn run_hook(&self) {
-        let hook = self.hook.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(hook) = hook {
+    /// Runs `hook` after the reply to the next command (or pipeline) whose packed form
+    /// contains `needle` (a function's name, a key), whatever else the connection carries
+    /// meanwhile. The hook runs in the task that sent that command, and a pending hook holds
+    /// that command's caller only.
+    pub fn after_reply_to<F>(&self, needle: &[u8], hook: impl FnOnce() -> F + Send + 'static)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let hook: Hook = Box::new(move || Box::pin(hook()));
+        *self.hook.lock().unwrap_or_else(|e| e.into_inner()) = Some((Some(needle.to_vec()), hook));
+    }
+
+    /// The hook for the command packed as `sent` (`None`: for whichever reply comes next).
+    fn take_hook(&self, sent: Option<&[u8]>) -> Option<Hook> {
+        let mut armed = self.hook.lock().unwrap_or_else(|e| e.into_inner());
+        let mine = match (&*armed, sent) {
+            (Some((None, _)), None) => true,
+            (Some((Some(needle), _)), Some(sent)) => {
+                sent.windows(needle.len()).any(|w| w == &needle[..])
+            }
+            _ => false,
+        };
+        if mine {
+            armed.take().map(|(_, hook)| hook)
+        } else {
+            None
+        }
+    }
+
+    /// Sends through the inner connection; runs the hook armed for this command, or for the
+    /// next reply, once the reply came.
+    async fn hooked<T>(&self, sent: Vec<u8>, reply: impl Future<Output = T>) -> T {
+        let mine = self.take_hook(Some(&sent));
+        let reply = reply.await;
+        if let Some(hook) = mine.or_else(|| self.take_hook(None)) {
             hook().await;
         }
+        reply
     }
 }
 
 impl ConnectionLike for HookedConnection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         Box::pin(async move {
-            let reply = self.inner.req_packed_command(cmd).await;
-            self.run_hook().await;
-            reply
+            let mut inner = self.inner.clone();
+            self.hooked(cmd.get_packed_command(), inner.req_packed_command(cmd))
+                .await
         })
     }
 
@@ -68,12 +106,12 @@ impl ConnectionLike for HookedConnection {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
-            let replies = self
-                .inner
-                .req_packed_commands(pipeline, offset, count)
-                .await;
-            self.run_hook().await;
-            replies
+            let mut inner = self.inner.clone();
+            self.hooked(
+                pipeline.get_packed_pipeline(),
+                inner.req_packed_commands(pipeline, offset, count),
+            )
+            .await
         })
     }
 

@@ -265,6 +265,16 @@ impl Waiters {
         }
     }
 
+    /// Passes a wake on to the next acquirer of `channel`: one that a release woke did not
+    /// spend it on the lock (its attempt failed or was dropped), or found the run-once record
+    /// done, which every waiting duplicate wants.
+    pub(crate) fn pass_on(&self, channel: &str) {
+        let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(slot) = slots.get(channel) {
+            slot.notify.notify_one();
+        }
+    }
+
     /// Remembers `token`'s release as announced, so that its announcement, if it comes, wakes
     /// no one; returns whether it was new. Tokens are random: one list for every channel, kept
     /// while channels come and go (a slot is dropped with its last waiter, and made again by
