@@ -461,24 +461,30 @@ async fn parts_lost_mid_stream_leave_the_outcome_without_its_body_not_a_second_r
     let (app, probe) = app(&redis_store(&server.url(), &prefix).await, |b| b);
     let (addr, _server) = serve(app).await;
     let client = client();
+    // Ends with a grpc-status trailer: the outcome kept without its body names it.
     let request = || {
-        Request::post("/stream")
+        Request::post("/stream?grpc_status=5")
             .header("idempotency-key", "s")
+            .header("te", "trailers")
             .header("authorization", "alice")
             .body(Body::empty())
             .unwrap()
     };
     let mut first = request();
-    *first.uri_mut() = format!("http://{addr}/stream").parse().unwrap();
+    *first.uri_mut() = format!("http://{addr}/stream?grpc_status=5")
+        .parse()
+        .unwrap();
     let first = within("the response", client.request(first)).await.unwrap();
     assert_eq!(first.status(), StatusCode::OK);
     let mut body = first.into_body();
     let mut got = Vec::new();
     let mut r = server.connection().await;
     let mut deleted = false;
+    let mut trailers = None;
     while let Some(frame) = within("a frame", body.frame()).await {
-        if let Ok(data) = frame.unwrap().into_data() {
-            got.extend_from_slice(&data);
+        match frame.unwrap().into_data() {
+            Ok(data) => got.extend_from_slice(&data),
+            Err(frame) => trailers = frame.into_trailers().ok(),
         }
         let parts: Vec<String> = r.keys(format!("{prefix}:*:parts")).await.unwrap();
         if !deleted && got.len() > 30 && !parts.is_empty() {
@@ -493,11 +499,17 @@ async fn parts_lost_mid_stream_leave_the_outcome_without_its_body_not_a_second_r
         expected,
         "the client got it all"
     );
+    assert_eq!(
+        trailers.as_ref().and_then(|t| t.get("grpc-status")),
+        Some(&http::HeaderValue::from_static("5")),
+        "and its trailer"
+    );
     let retry = within("the retry", http(&client, addr, request())).await;
     assert_eq!(probe.runs(), 1, "ran again: {retry:?}");
     assert_eq!(retry.status, StatusCode::GONE, "{retry:?}");
     assert_eq!(retry.problem(), "response-not-stored");
     assert_eq!(retry.json()["original_status"], 200, "{retry:?}");
+    assert_eq!(retry.json()["original_grpc_status"], 5, "{retry:?}");
 }
 
 /// A streamed response with a `content-length`: the client has the whole body when the last

@@ -301,22 +301,35 @@ async fn decide(
 async fn stream(State(p): State<Probe>, Query(q): Query<StreamQuery>) -> Response {
     let run = p.enter().await;
     let length: usize = (0..10).map(|i| format!("run {run} part {i};").len()).sum();
-    let chunks = futures_util::stream::iter(0..11).then(move |i| async move {
+    let frames = futures_util::stream::iter(0..11).then(move |i| async move {
         tokio::time::sleep(Duration::from_millis(20)).await;
         if i < 10 {
-            Ok(Bytes::from(format!("run {run} part {i};")))
+            Ok(http_body::Frame::data(Bytes::from(format!(
+                "run {run} part {i};"
+            ))))
         } else if q.fail {
             Err(std::io::Error::other("the body broke off"))
         } else if q.panic {
             panic!("the body panics half-way");
         } else if q.hang {
             std::future::pending::<()>().await;
-            Ok(Bytes::new())
+            Ok(http_body::Frame::data(Bytes::new()))
+        } else if let Some(status) = q.grpc_status {
+            let mut trailers = HeaderMap::new();
+            trailers.insert("grpc-status", status.into());
+            Ok(http_body::Frame::trailers(trailers))
         } else {
-            Ok(Bytes::new())
+            Ok(http_body::Frame::data(Bytes::new()))
         }
     });
-    let mut response = (StatusCode::OK, Body::from_stream(chunks)).into_response();
+    let body = Body::new(http_body_util::StreamBody::new(frames));
+    let mut response = (StatusCode::OK, body).into_response();
+    if q.grpc_status.is_some() {
+        // HTTP/1.1 sends only the trailers a response declares.
+        response
+            .headers_mut()
+            .insert(http::header::TRAILER, "grpc-status".parse().unwrap());
+    }
     if q.length {
         let announced = length.saturating_add_signed(q.off);
         response
@@ -338,6 +351,9 @@ pub struct StreamQuery {
     off: isize,
     #[serde(default)]
     hang: bool,
+    /// Ends the body with a `grpc-status` trailer.
+    #[serde(default)]
+    grpc_status: Option<u16>,
 }
 
 /// The service under test, with the layer configured by `configure`.
