@@ -321,6 +321,11 @@ pub(crate) async fn acquire_until(
     // announcement wakes no one (the waiter counts it as heard): look again after the shortest
     // delay, whether or not this lock polls.
     let mut woken = false;
+    let mut unspent = Unspent {
+        backend,
+        name: op.name.clone(),
+        armed: false,
+    };
     if backend.waiters().has_acquirers(op.name.channel()) {
         // Others in this client already wait for this lock: queue behind them (releases wake
         // waiters in arrival order) instead of barging past them with an attempt of our own.
@@ -334,13 +339,18 @@ pub(crate) async fn acquire_until(
         registered.mark_seen();
         waiter = Some(registered);
     }
-    let (mut last, mut sent) = look(backend, op, config, woken).await?;
+    let (mut last, mut sent) = look(backend, op, config, &mut unspent, woken).await?;
     loop {
         let Attempt::Held { ttl, parts, .. } = &last else {
             return Ok((last, sent));
         };
+        if once && *parts > 0 {
+            // Woken by the holder's first part, as every such waiter was.
+            unspent.armed = false;
+            return Ok((last, sent));
+        }
         let now = clock::now();
-        if now >= deadline || (once && *parts > 0) {
+        if now >= deadline {
             return Ok((last, sent));
         }
         let left = deadline - now;
@@ -381,46 +391,51 @@ pub(crate) async fn acquire_until(
             }
         }
         op.token = Token::random();
-        (last, sent) = look(backend, op, config, woken).await?;
+        (last, sent) = look(backend, op, config, &mut unspent, woken).await?;
     }
 }
 
-/// One attempt of a waiter, `woken` if a release woke it for this one. A release wakes one
-/// waiter of this client, and a wake this waiter took but did not spend goes to the next one
-/// (nothing else is coming to wake them): when the attempt fails, or is dropped (the caller
-/// gave up: a client that left), the lock may be free. A run-once record found done is passed
-/// on too, woken or not: every waiting duplicate wants it, and its completion woke one.
+/// One look at the lock by a waiter, `woken` if a release woke it for this one; leaves
+/// `unspent` armed while a wake it took may not have been spent (see [`Unspent`]).
 async fn look(
     backend: &Arc<dyn Backend>,
     op: &Op,
     config: &LockConfig,
+    unspent: &mut Unspent<'_>,
     woken: bool,
 ) -> Result<(Attempt, Instant), LockError> {
-    let mut pass_on = PassOn {
-        backend,
-        op,
-        armed: woken,
-    };
+    unspent.armed |= woken;
     let looked = attempt(backend, op, config).await;
-    pass_on.armed = match &looked {
-        Ok((Attempt::Acquired { .. } | Attempt::Held { .. }, _)) => false,
+    unspent.armed = match &looked {
+        Ok((Attempt::Acquired { .. }, _)) => false,
+        // Held after a wake: the release may reach the store after this look (a local
+        // hand-over runs ahead of it), and its announcement will wake no one; the waiter looks
+        // again after the shortest delay. Until then the wake is not spent.
+        Ok((Attempt::Held { .. }, _)) => woken,
         Ok((Attempt::Done { .. }, _)) => true,
-        Err(_) => woken,
+        // The caller has the error and decides; passing the wake on would hand it round the
+        // waiters at the pace of the failure, each one failing in turn.
+        Err(_) => false,
     };
     looked
 }
 
-/// Wakes the next local waiter of `op`'s lock when dropped armed (see [`look`]).
-struct PassOn<'a> {
+/// A wake a waiter took and may not have spent. A release wakes one waiter of its client, and
+/// nothing else is coming to wake the others: should the waiter go without spending it on the
+/// lock (its caller gave up mid-look or while it waited to look again, as a request whose
+/// client left; its deadline came), the wake goes to the next waiter of this client, since the
+/// lock may be free. A run-once record found done is passed on too, woken or not: every
+/// waiting duplicate wants it, and its completion woke one.
+struct Unspent<'a> {
     backend: &'a Arc<dyn Backend>,
-    op: &'a Op,
+    name: LockName,
     armed: bool,
 }
 
-impl Drop for PassOn<'_> {
+impl Drop for Unspent<'_> {
     fn drop(&mut self) {
         if self.armed {
-            self.backend.waiters().pass_on(self.op.name.channel());
+            self.backend.waiters().pass_on(self.name.channel());
         }
     }
 }

@@ -1132,16 +1132,27 @@ tokio::task_local! {
 }
 
 /// A release wakes one waiter of this client. That waiter's request is then dropped (a client
-/// that left: the normal case in a server) while its look at the lock is in flight. Its wake
-/// must go to the next waiter: the lock is free and no other release is coming. Before, the
-/// other waiter slept on until its own timer (polling off: the end of the old holder's lease,
-/// 30 s away). Here the dropped look had taken the lock, and its cleanup released it; on a
-/// client without pub/sub (a connection handed to the builder), that release woke no one.
+/// that left: the normal case in a server) while its look at the lock is on its way, or once
+/// Redis answered it. Its wake must go to the next waiter: the lock is free (or freed by the
+/// dropped look's cleanup), and no other release is coming. Before, the other waiter slept on
+/// until its own timer (polling off: the end of the old holder's lease, 30 s away). On a
+/// client without pub/sub (a connection handed to the builder) the cleanup's release wakes no
+/// one either.
 #[tokio::test]
-async fn a_woken_waiter_dropped_mid_attempt_passes_its_wake_on() {
+async fn a_woken_waiter_dropped_before_its_look_is_sent_passes_its_wake_on() {
+    dropped_woken_waiter(true).await;
+}
+
+#[tokio::test]
+async fn a_woken_waiter_dropped_after_its_look_took_the_lock_passes_its_wake_on() {
+    dropped_woken_waiter(false).await;
+}
+
+async fn dropped_woken_waiter(before_sending: bool) {
     let server = RedisServer::start().await;
     let prefix = testkit::unique_prefix("dropped-waiter");
     let conn = testkit::HookedConnection::new(server.connection().await);
+    let mut admin = server.connection().await;
     let config = LockConfig::builder()
         .lease(Duration::from_secs(30))
         .retry(ms(10), ms(50))
@@ -1156,6 +1167,7 @@ async fn a_woken_waiter_dropped_mid_attempt_passes_its_wake_on() {
         .unwrap();
     let lock = c.lock("k").unwrap();
     let held = lock.try_acquire().await.unwrap();
+    let looks_before = script_calls(&mut admin).await;
     let mut waiters: Vec<_> = (0..2)
         .map(|i| {
             let lock = lock.clone();
@@ -1165,17 +1177,39 @@ async fn a_woken_waiter_dropped_mid_attempt_passes_its_wake_on() {
             ))
         })
         .collect();
-    // Both looked, found the lock held, and sleep until woken (or the old lease's end).
-    tokio::time::sleep(ms(300)).await;
+    // Both looked (three or four looks between them), found the lock held, and sleep until
+    // woken (or the old lease's end): no look for 200 ms.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut seen = (looks_before, std::time::Instant::now());
+    loop {
+        tokio::time::sleep(ms(20)).await;
+        let looks = script_calls(&mut admin).await;
+        if looks != seen.0 {
+            seen = (looks, std::time::Instant::now());
+        } else if looks >= looks_before + 3 && seen.1.elapsed() >= ms(200) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the waiters kept looking: {} looks",
+            looks - looks_before
+        );
+    }
     let (tell, woken) = tokio::sync::oneshot::channel();
-    conn.after_reply_to(b"_acquire", move || async move {
+    let hook = move || async move {
         let _ = tell.send(WAITER.try_with(|w| *w).ok());
         std::future::pending::<()>().await;
-    });
+    };
+    // The acquire function's call (Redis 7 functions; not the release, sent first).
+    if before_sending {
+        conn.before_sending(b"_acquire", hook);
+    } else {
+        conn.after_reply_to(b"_acquire", hook);
+    }
     assert!(held.release().await.unwrap());
     let woken = tokio::time::timeout(Duration::from_secs(5), woken)
         .await
-        .expect("no waiter looked at the lock within 5 s of its release")
+        .expect("no waiter called the acquire function within 5 s of the release")
         .unwrap()
         .expect("the look ran outside the waiters' tasks");
     waiters[woken].abort();
@@ -1186,4 +1220,24 @@ async fn a_woken_waiter_dropped_mid_attempt_passes_its_wake_on() {
         .unwrap()
         .unwrap();
     assert!(guard.release().await.unwrap());
+}
+
+/// The function and script calls Redis has run so far (`INFO commandstats`).
+async fn script_calls(admin: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(admin)
+        .await
+        .unwrap();
+    info.lines()
+        .filter(|l| l.starts_with("cmdstat_fcall:") || l.starts_with("cmdstat_evalsha:"))
+        .filter_map(|l| {
+            l.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
 }

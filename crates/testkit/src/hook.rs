@@ -1,6 +1,6 @@
-//! A connection that runs a hook between a reply and its handling: another client's commands
-//! placed exactly there, or the client's own thread stalled (a process descheduled with the
-//! reply in hand).
+//! A connection that runs a hook between a reply and its handling (another client's commands
+//! placed exactly there, or the client's own thread stalled: a process descheduled with the
+//! reply in hand), or before a command is sent (a command held on its way).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -11,13 +11,17 @@ use redis::{Cmd, Pipeline, RedisFuture, Value};
 
 type Hook = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
 
-/// A hook and what it waits for: the next reply (`None`), or the reply to the next command
-/// whose packed form contains these bytes.
-type Armed = (Option<Vec<u8>>, Hook);
+/// A hook and where it runs: after the next reply (no needle), or before sending or after the
+/// reply of the next command whose packed form contains the needle.
+struct Armed {
+    needle: Option<Vec<u8>>,
+    before: bool,
+    hook: Hook,
+}
 
 /// A multiplexed connection that, once armed, runs its hook after the next reply (of a command
-/// or a pipeline), or after the reply to a given command, came and before it is handed on.
-/// Clones share the hook.
+/// or a pipeline), or before sending or after the reply of a given command, and before it is
+/// handed on. Clones share the hook.
 #[derive(Clone)]
 pub struct HookedConnection {
     inner: MultiplexedConnection,
@@ -45,8 +49,7 @@ impl HookedConnection {
     where
         F: Future<Output = ()> + Send + 'static,
     {
-        let hook: Hook = Box::new(move || Box::pin(hook()));
-        *self.hook.lock().unwrap_or_else(|e| e.into_inner()) = Some((None, hook));
+        self.arm(None, false, Box::new(move || Box::pin(hook())));
     }
 
     /// Runs `hook` after the reply to the next command (or pipeline) whose packed form
@@ -57,33 +60,56 @@ impl HookedConnection {
     where
         F: Future<Output = ()> + Send + 'static,
     {
-        let hook: Hook = Box::new(move || Box::pin(hook()));
-        *self.hook.lock().unwrap_or_else(|e| e.into_inner()) = Some((Some(needle.to_vec()), hook));
+        self.arm(Some(needle), false, Box::new(move || Box::pin(hook())));
     }
 
-    /// The hook for the command packed as `sent` (`None`: for whichever reply comes next).
-    fn take_hook(&self, sent: Option<&[u8]>) -> Option<Hook> {
+    /// Runs `hook` before sending the next command (or pipeline) whose packed form contains
+    /// `needle`: a command held on its way (a pending hook), whose caller may give up before
+    /// it is sent.
+    pub fn before_sending<F>(&self, needle: &[u8], hook: impl FnOnce() -> F + Send + 'static)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        self.arm(Some(needle), true, Box::new(move || Box::pin(hook())));
+    }
+
+    fn arm(&self, needle: Option<&[u8]>, before: bool, hook: Hook) {
+        *self.hook.lock().unwrap_or_else(|e| e.into_inner()) = Some(Armed {
+            needle: needle.map(<[u8]>::to_vec),
+            before,
+            hook,
+        });
+    }
+
+    /// The hook for the command packed as `sent` (`None`: for whichever reply comes next),
+    /// and whether it runs before sending.
+    fn take_hook(&self, sent: Option<&[u8]>) -> Option<(bool, Hook)> {
         let mut armed = self.hook.lock().unwrap_or_else(|e| e.into_inner());
-        let mine = match (&*armed, sent) {
-            (Some((None, _)), None) => true,
-            (Some((Some(needle), _)), Some(sent)) => {
-                sent.windows(needle.len()).any(|w| w == &needle[..])
+        let mine = match (armed.as_ref().map(|a| &a.needle), sent) {
+            (Some(None), None) => true,
+            (Some(Some(needle)), Some(sent)) => {
+                needle.is_empty() || sent.windows(needle.len()).any(|w| w == &needle[..])
             }
             _ => false,
         };
         if mine {
-            armed.take().map(|(_, hook)| hook)
+            armed.take().map(|a| (a.before, a.hook))
         } else {
             None
         }
     }
 
-    /// Sends through the inner connection; runs the hook armed for this command, or for the
-    /// next reply, once the reply came.
+    /// Sends through the inner connection, running the hook armed for this command (before
+    /// sending it or once its reply came), or the one for the next reply.
     async fn hooked<T>(&self, sent: Vec<u8>, reply: impl Future<Output = T>) -> T {
-        let mine = self.take_hook(Some(&sent));
+        let mut after = None;
+        match self.take_hook(Some(&sent)) {
+            Some((true, hook)) => hook().await,
+            Some((false, hook)) => after = Some(hook),
+            None => {}
+        }
         let reply = reply.await;
-        if let Some(hook) = mine.or_else(|| self.take_hook(None)) {
+        if let Some(hook) = after.or_else(|| self.take_hook(None).map(|(_, hook)| hook)) {
             hook().await;
         }
         reply
