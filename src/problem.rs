@@ -501,7 +501,9 @@ impl Rejection {
 
 /// A delay in whole seconds, rounded up, at least 1 (`Retry-After` has second resolution).
 fn whole_seconds(d: Duration) -> u64 {
-    (d.as_secs() + u64::from(d.subsec_nanos() > 0)).max(1)
+    d.as_secs()
+        .saturating_add(u64::from(d.subsec_nanos() > 0))
+        .max(1)
 }
 
 impl std::fmt::Display for Rejection {
@@ -519,6 +521,15 @@ impl std::fmt::Display for Rejection {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `retry_after(Duration::MAX)` overflowed rounding up to whole seconds (a panic in debug
+    /// builds, `Retry-After: 1` in release ones).
+    #[test]
+    fn the_longest_retry_after_saturates() {
+        assert_eq!(whole_seconds(Duration::MAX), u64::MAX);
+        assert_eq!(whole_seconds(Duration::from_millis(1500)), 2);
+        assert_eq!(whole_seconds(Duration::ZERO), 1);
+    }
 
     #[test]
     fn every_rejection_renders_valid_problem_json() {

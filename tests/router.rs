@@ -587,6 +587,48 @@ async fn replay_applies_the_current_header_policy() {
     assert_eq!(replay.headers["location"], "/p/1");
 }
 
+/// A stored head with more header values than a replay carries (30,001 here; hyper's client
+/// reads 100 by default) is refused as unreadable, never a panic. Before, with a policy in
+/// force that drops one of them, the replay sized a header map from the record's count, and a
+/// header map panics past 24,576: the request's task died with it.
+#[tokio::test]
+async fn a_head_too_large_to_replay_is_refused_not_a_panic() {
+    let store = Store::memory();
+    let handler = || async {
+        let mut headers = axum::http::HeaderMap::new();
+        for _ in 0..30_000 {
+            headers.append("x-many", axum::http::HeaderValue::from_static("1"));
+        }
+        headers.insert(
+            "x-internal-trace",
+            axum::http::HeaderValue::from_static("t-1"),
+        );
+        (StatusCode::CREATED, headers, "ok")
+    };
+    let before = Router::new()
+        .route("/pay", post(handler))
+        .layer(builder(&store).global_keys().build().unwrap());
+    let first = send(&before, post_req("/pay", Some("many"), "")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.headers.get_all("x-many").iter().count(), 30_000);
+    let after = Router::new().route("/pay", post(handler)).layer(
+        builder(&store)
+            .global_keys()
+            .replay_headers(
+                ReplayHeaders::default_deny()
+                    .and_deny(["x-internal-trace"])
+                    .unwrap(),
+            )
+            .build()
+            .unwrap(),
+    );
+    for app in [&after, &before] {
+        let replay = send(app, post_req("/pay", Some("many"), "")).await;
+        assert_eq!(replay.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(replay.problem(), "record-unreadable");
+    }
+}
+
 /// tower-http's TraceLayer, TimeoutLayer and CompressionLayer around the layer.
 #[tokio::test]
 async fn tower_http_layers_around_the_layer() {

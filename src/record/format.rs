@@ -128,13 +128,21 @@ fn headers_len<'a>(
     })
 }
 
+/// The most header values (of a head, its `Vary` headers or its trailers) a record is read
+/// back with. Far above what clients take (hyper's reads 100 by default), far below what a
+/// header map holds; a response with more is stored, and its replay refused as unreadable.
+const MAX_HEADER_VALUES: usize = 8_192;
+
 fn put_headers<'a>(
     out: &mut Vec<u8>,
     count: usize,
     headers: impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
 ) {
-    out.put_u16(count as u16);
-    for (name, value) in headers {
+    // The count is a `u16`: a block stays well-formed (and is refused when read, above
+    // MAX_HEADER_VALUES) rather than announce fewer values than follow it.
+    let count = u16::try_from(count).unwrap_or(u16::MAX);
+    out.put_u16(count);
+    for (name, value) in headers.take(usize::from(count)) {
         out.put_u16(name.as_str().len() as u16);
         out.put_slice(name.as_str().as_bytes());
         out.put_u32(value.len() as u32);
@@ -344,6 +352,13 @@ impl<'a> Reader<'a> {
 
     fn headers(&mut self) -> Result<HeaderMap, String> {
         let count = self.u16()?;
+        // A replay builds on the map (a header of its own, a map sized from this count when
+        // the policy in force drops some), and a header map panics past 24,576 names.
+        if usize::from(count) > MAX_HEADER_VALUES {
+            return Err(format!(
+                "{count} header values, more than a replay carries ({MAX_HEADER_VALUES})"
+            ));
+        }
         // No capacity from the untrusted count: HeaderMap panics on absurd capacities.
         let mut headers = HeaderMap::new();
         for _ in 0..count {

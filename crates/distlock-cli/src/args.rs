@@ -102,8 +102,18 @@ pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
             ));
         }
     };
-    Duration::try_from_secs_f64(value * scale).map_err(|e| format!("{text:?}: {e}"))
+    let duration =
+        Duration::try_from_secs_f64(value * scale).map_err(|e| format!("{text:?}: {e}"))?;
+    // Deadlines are computed from these (`--kill-after` after a lost lease): far beyond any
+    // use, and far below what `Instant` can hold.
+    if duration > LONGEST {
+        return Err(format!("{text:?} is longer than 100 years"));
+    }
+    Ok(duration)
 }
+
+/// The longest duration accepted on the command line: about 100 years.
+const LONGEST: Duration = Duration::from_secs(100 * 365 * 86_400);
 
 #[cfg(test)]
 mod tests {
@@ -119,6 +129,20 @@ mod tests {
         assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
         for bad in ["", "s", "10x", "-1s", "1e9999s", "ten"] {
             assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    /// `--kill-after 10000000000000000000` parsed, and the supervisor panicked adding it to
+    /// the clock when the lease was lost (exit 101, CMD killed at once instead of after it).
+    #[test]
+    fn durations_beyond_a_century_are_refused() {
+        assert!(parse_duration("876000h").is_ok(), "100 years fit");
+        for huge in ["10000000000000000000", "876001h", "5000000000m"] {
+            let refused = parse_duration(huge).unwrap_err();
+            assert!(
+                refused.contains("longer than 100 years"),
+                "{huge}: {refused}"
+            );
         }
     }
 

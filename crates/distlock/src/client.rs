@@ -933,6 +933,12 @@ mod tests {
             .redlock(vec![Nowhere, Nowhere, Nowhere])
             .unwrap();
         assert!(redlock.lock("k").unwrap().with_config(short).is_err());
+        // A node timeout near `Duration::MAX` is refused, not an overflow (it panicked).
+        let err = LockClient::builder()
+            .node_timeout(Duration::MAX)
+            .redlock(vec![Nowhere, Nowhere, Nowhere])
+            .expect_err("a node timeout longer than the command timeout");
+        assert!(err.to_string().contains("node_timeout"), "{err}");
     }
 
     #[tokio::test]

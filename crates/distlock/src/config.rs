@@ -489,7 +489,12 @@ impl LockConfigBuilder {
         let op_timeout = self
             .op_timeout
             .unwrap_or_else(|| Duration::from_secs(2).min(renewal_window / 3));
-        if op_timeout.is_zero() || op_timeout * 2 >= renewal_window {
+        // (`checked_mul`: a timeout near `Duration::MAX` is refused, not an overflow.)
+        if op_timeout.is_zero()
+            || op_timeout
+                .checked_mul(2)
+                .is_none_or(|t| t >= renewal_window)
+        {
             return Err(ConfigError::invalid(
                 "op_timeout",
                 format!(
@@ -562,6 +567,17 @@ impl LockConfigBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `op_timeout(Duration::MAX)` panicked in `build` (a multiplication that overflowed)
+    /// instead of being refused as a configuration that cannot work.
+    #[test]
+    fn an_op_timeout_near_duration_max_is_refused_not_a_panic() {
+        let refused = LockConfig::builder()
+            .op_timeout(Duration::MAX)
+            .build()
+            .unwrap_err();
+        assert!(refused.to_string().contains("op_timeout"), "{refused}");
+    }
 
     fn ms(v: u64) -> Duration {
         Duration::from_millis(v)

@@ -415,7 +415,8 @@ impl<C: Conn> Backend for RedlockBackend<C> {
 
     fn check_config(&self, config: &crate::LockConfig) -> Result<(), crate::ConfigError> {
         let op_timeout = config.op_timeout();
-        if self.node_timeout.is_zero() || self.node_timeout * 3 > op_timeout {
+        // (Divided, not multiplied: a timeout near `Duration::MAX` is refused, not an overflow.)
+        if self.node_timeout.is_zero() || self.node_timeout > op_timeout / 3 {
             return Err(crate::ConfigError::invalid(
                 "node_timeout",
                 format!(
