@@ -291,6 +291,64 @@ async fn trailers_over_a_socket(s: TestStore, http2: bool) {
     assert_eq!(t.runs(), 1, "the handler ran again");
 }
 
+/// A body whole at once, with trailers (a small gRPC-like answer, served over HTTP/1.1 to a
+/// client that takes trailers): hyper sends it chunked, with its trailers, without the layer.
+/// Through the layer the first response and the replay must keep them. Before, a whole body
+/// announced its exact length, hyper wrote a `content-length` and dropped the trailers.
+async fn trailers_of_a_body_whole_at_once_reach_an_http1_client(s: TestStore) {
+    async fn answer() -> axum::response::Response {
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("x-checksum", http::HeaderValue::from_static("c-1"));
+        let frames = futures_util::stream::iter([
+            Ok::<_, std::io::Error>(http_body::Frame::data(bytes::Bytes::from_static(b"paid"))),
+            Ok(http_body::Frame::trailers(trailers)),
+        ]);
+        let mut response =
+            axum::response::Response::new(Body::new(http_body_util::StreamBody::new(frames)));
+        response.headers_mut().insert(
+            http::header::TRAILER,
+            http::HeaderValue::from_static("x-checksum"),
+        );
+        response
+    }
+    let layer = tower_idempotency::IdempotencyLayer::builder(s.store.clone())
+        .secret(support::SECRET)
+        .unwrap()
+        .global_keys()
+        .build()
+        .unwrap();
+    let with = axum::Router::new()
+        .route("/pay", axum::routing::post(answer))
+        .layer(layer);
+    let without = axum::Router::new().route("/pay", axum::routing::post(answer));
+    let (with, _a) = support::serve(with).await;
+    let (without, _b) = support::serve(without).await;
+    let client = support::client();
+    let send = |addr: std::net::SocketAddr| {
+        let mut req = request("/pay", "whole-trailers");
+        *req.uri_mut() = format!("http://{addr}/pay").parse().unwrap();
+        req.headers_mut()
+            .insert("te", http::HeaderValue::from_static("trailers"));
+        client.request(req)
+    };
+    for (what, addr) in [
+        ("without the layer", without),
+        ("the first response", with),
+        ("the replay", with),
+    ] {
+        let response = within("the response", send(addr)).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK, "{what}");
+        let head = format!("{:?}", response.headers());
+        let (body, trailers) = read_all(Body::new(response.into_body())).await.unwrap();
+        assert_eq!(body, "paid", "{what}");
+        assert_eq!(
+            trailers.as_ref().and_then(|t| t.get("x-checksum")),
+            Some(&http::HeaderValue::from_static("c-1")),
+            "{what}: no trailers ({head})"
+        );
+    }
+}
+
 /// A raw HTTP/1.1 `POST` of `target` with idempotency key `key` (and `extra` header lines)
 /// from a socket with a small receive window, so that the server's buffers fill after a few
 /// MiB: the socket, and what it read up to the response's head (a 200).
@@ -413,6 +471,7 @@ async fn a_client_pausing_on_a_body_not_kept_gets_it_all(s: TestStore) {
 
 both_stores!(
     the_first_event_arrives_before_the_handler_finishes,
+    trailers_of_a_body_whole_at_once_reach_an_http1_client,
     trailers_over_http2_are_stored_when_cancellable,
     trailers_written_over_a_socket_are_stored_when_cancellable,
     a_joiner_gets_the_same_bytes_live_and_after_the_end,

@@ -303,8 +303,17 @@ where
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            Kind::Full { data, .. } => {
-                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            Kind::Full { data, trailers } => {
+                let len = data.as_ref().map_or(0, |d| d.len() as u64);
+                if trailers.is_some() {
+                    // Not exact: HTTP/1.1 carries trailers only in a chunked body, and a server
+                    // given an exact length writes a `content-length` instead (and drops them).
+                    let mut hint = SizeHint::new();
+                    hint.set_lower(len);
+                    hint
+                } else {
+                    SizeHint::with_exact(len)
+                }
             }
             Kind::Inner { inner } => inner.size_hint(),
             Kind::Fed { .. } => SizeHint::new(),
