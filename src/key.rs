@@ -319,7 +319,9 @@ pub struct JsonKey {
 
 /// A string in a JSON body, by JSON pointer (RFC 6901): `/phone`, `/data/object/id`. The
 /// request must be `application/json` (or `+json`), else 415; malformed JSON is 400; a missing
-/// field is a missing key; `null`, numbers, booleans, arrays and objects are refused (400).
+/// field is a missing key; `null`, numbers, booleans, arrays and objects are refused (400), and
+/// so is a member on the key's way given twice (`{"phone":"A","phone":"B"}`), as a repeated form
+/// field or query parameter is: parsers differ on which one they keep.
 ///
 /// # Errors
 /// If `pointer` is not a JSON pointer (it must start with `/`).
@@ -352,12 +354,34 @@ impl KeySource for JsonKey {
                 expected: "application/json",
             });
         }
-        let value: serde_json::Value =
-            serde_json::from_slice(body).map_err(|e| Rejection::MalformedBody {
-                reason: format!("The JSON body does not parse: {e}."),
-            })?;
+        let tokens = pointer_tokens(&self.pointer);
+        let repeated = std::cell::Cell::new(false);
+        let mut reader = serde_json::Deserializer::from_slice(body);
+        let found = serde::de::DeserializeSeed::deserialize(
+            Path {
+                tokens: &tokens,
+                repeated: &repeated,
+            },
+            &mut reader,
+        )
+        .and_then(|found| reader.end().map(|()| found));
         let from = format!("the JSON field {}", self.pointer);
-        match value.pointer(&self.pointer) {
+        let found = match found {
+            Ok(found) => found,
+            Err(_) if repeated.get() => {
+                // As a form field or query parameter given twice: which one is the key would
+                // depend on the parser (serde_json keeps the last, others the first).
+                return Err(Rejection::InvalidKey {
+                    reason: format!("The JSON body has {from}, or an object on its way, twice."),
+                });
+            }
+            Err(e) => {
+                return Err(Rejection::MalformedBody {
+                    reason: format!("The JSON body does not parse: {e}."),
+                });
+            }
+        };
+        match found.as_ref() {
             None => Ok(None),
             Some(serde_json::Value::String(s)) => check_key(s.clone(), &from).map(Some),
             Some(other) => Err(Rejection::InvalidKey {
@@ -381,6 +405,117 @@ impl KeySource for JsonKey {
 
     fn client_chosen(&self) -> bool {
         false
+    }
+}
+
+/// A JSON pointer's reference tokens (RFC 6901: `~1` is `/`, `~0` is `~`).
+fn pointer_tokens(pointer: &str) -> Vec<String> {
+    pointer
+        .split('/')
+        .skip(1)
+        .map(|t| t.replace("~1", "/").replace("~0", "~"))
+        .collect()
+}
+
+/// An array index as a JSON pointer token names one: digits, no leading zero.
+fn pointer_index(token: &str) -> Option<usize> {
+    if token.starts_with('+') || (token.starts_with('0') && token.len() > 1) {
+        return None;
+    }
+    token.parse().ok()
+}
+
+/// Reads a JSON document, keeping the value at `tokens` (what `Value::pointer` would give) and
+/// refusing a member on the way given twice (`repeated` set, then an error). Everything off
+/// the way is read as a `Value` and dropped, so that the document is checked as before (its
+/// nesting limit included).
+struct Path<'a> {
+    tokens: &'a [String],
+    repeated: &'a std::cell::Cell<bool>,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Path<'_> {
+    type Value = Option<serde_json::Value>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        if self.tokens.is_empty() {
+            return serde::Deserialize::deserialize(d).map(Some);
+        }
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Path<'_> {
+    type Value = Option<serde_json::Value>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let (token, rest) = (&self.tokens[0], &self.tokens[1..]);
+        let mut found = None;
+        let mut seen = false;
+        while let Some(name) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+            if name == token.as_str() {
+                if seen {
+                    self.repeated.set(true);
+                    return Err(serde::de::Error::custom(format_args!(
+                        "member {token:?} given twice"
+                    )));
+                }
+                seen = true;
+                found = map.next_value_seed(Path {
+                    tokens: rest,
+                    repeated: self.repeated,
+                })?;
+            } else {
+                map.next_value::<serde_json::Value>()?;
+            }
+        }
+        Ok(found)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let index = pointer_index(&self.tokens[0]);
+        let mut found = None;
+        let mut at = 0;
+        loop {
+            if Some(at) == index {
+                let seed = Path {
+                    tokens: &self.tokens[1..],
+                    repeated: self.repeated,
+                };
+                match seq.next_element_seed(seed)? {
+                    Some(value) => found = value,
+                    None => break,
+                }
+            } else if seq.next_element::<serde_json::Value>()?.is_none() {
+                break;
+            }
+            at += 1;
+        }
+        Ok(found)
+    }
+
+    // A scalar has nothing under it: the pointer does not resolve.
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(None)
     }
 }
 
@@ -649,6 +784,70 @@ impl KeySource for PathKey {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn key_at(pointer: &str, body: &'static str) -> Result<Option<String>, Rejection> {
+        let req = http::Request::builder()
+            .header("content-type", "application/json")
+            .body(())
+            .unwrap();
+        let (parts, ()) = req.into_parts();
+        json(pointer)
+            .unwrap()
+            .extract(&parts, &Bytes::from_static(body.as_bytes()))
+    }
+
+    /// A member on the key's way given twice is refused, as a repeated form field or query
+    /// parameter is (serde_json kept the last, `{"phone":"A","phone":"B"}` was keyed on B
+    /// while a backend keeping the first acted on A); repeats elsewhere are not the key's.
+    #[test]
+    fn a_json_member_on_the_keys_way_given_twice_is_refused() {
+        for (pointer, body) in [
+            ("/phone", r#"{"phone":"A","phone":"B"}"#),
+            ("/c/phone", r#"{"c":{"phone":"A"},"c":{"phone":"B"}}"#),
+            ("/c/phone", r#"{"c":{"phone":"A","phone":"B"}}"#),
+            ("/l/1/id", r#"{"l":[{"id":"x"},{"id":"A","id":"B"}]}"#),
+        ] {
+            match key_at(pointer, body) {
+                Err(Rejection::InvalidKey { reason }) => {
+                    assert!(reason.contains("twice"), "{reason}")
+                }
+                other => panic!("{pointer} in {body}: {other:?}"),
+            }
+        }
+        for (pointer, body, key) in [
+            ("/phone", r#"{"x":1,"x":2,"phone":"A"}"#, Some("A")),
+            (
+                "/c/phone",
+                r#"{"c":{"phone":"A","n":1,"n":2},"d":[1,1]}"#,
+                Some("A"),
+            ),
+            (
+                "/l/1/id",
+                r#"{"l":[{"id":"x","id":"y"},{"id":"A"}]}"#,
+                Some("A"),
+            ),
+            ("/a~1b/m~0n", r#"{"a/b":{"m~n":"A"}}"#, Some("A")),
+            ("/l/01", r#"{"l":["x","A"]}"#, None),
+            ("/l/2", r#"{"l":["x","A"]}"#, None),
+            ("/s/x", r#"{"s":"text"}"#, None),
+            ("/phone", r#"[{"phone":"A"}]"#, None),
+        ] {
+            assert_eq!(
+                key_at(pointer, body).unwrap().as_deref(),
+                key,
+                "{pointer} in {body}"
+            );
+        }
+        // Still the whole document is read: garbage after the key's value is refused.
+        assert!(matches!(
+            key_at("/phone", r#"{"phone":"A"} x"#),
+            Err(Rejection::MalformedBody { .. })
+        ));
+        assert!(matches!(
+            key_at("/phone", r#"{"phone":"A","x":[1,}"#),
+            Err(Rejection::MalformedBody { .. })
+        ));
+    }
 
     fn parts(req: http::request::Builder) -> Parts {
         req.body(()).unwrap().into_parts().0

@@ -363,6 +363,21 @@ fn cases() -> Vec<(&'static str, Request<Body>, StatusCode, &'static str)> {
             "invalid-key",
         ),
         (
+            "json: key field twice",
+            json(Some("application/json"), r#"{"id":"a","id":"b"}"#),
+            S::BAD_REQUEST,
+            "invalid-key",
+        ),
+        (
+            "json: key field twice, the second null",
+            json(
+                Some("application/json"),
+                r#"{"id":"a","other":1,"id":null}"#,
+            ),
+            S::BAD_REQUEST,
+            "invalid-key",
+        ),
+        (
             "json: key empty",
             json(Some("application/json"), r#"{"id":""}"#),
             S::BAD_REQUEST,
