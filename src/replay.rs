@@ -194,11 +194,8 @@ fn check<B>(
     // A response negotiated for other request headers (a gzip body for a client that accepts
     // only identity) is not this request's to replay.
     for (name, value) in &head.vary {
-        let same = match joined(&stored.request.headers, name) {
-            Some(theirs) => theirs == value,
-            None => value.is_empty(),
-        };
-        if !same {
+        let theirs = joined(&stored.request.headers, name);
+        if !suits(name, value, theirs.as_ref(), &head.headers) {
             let rejection = Rejection::NotAcceptable {
                 header: name.as_str().to_owned(),
             };
@@ -206,6 +203,69 @@ fn check<B>(
         }
     }
     Ok(())
+}
+
+/// Whether the response stored for a request that sent `stored` as its `name` header (one of
+/// the response's `Vary` headers) suits this request, which sent `theirs`: the same list
+/// (spacing around its commas aside), or, for `Accept-Encoding`, a response without a content
+/// coding that this request does not refuse (RFC 9110, 12.5.3: identity is acceptable unless
+/// the request says `identity;q=0`, or `*;q=0` without an entry for `identity`).
+fn suits(
+    name: &HeaderName,
+    stored: &HeaderValue,
+    theirs: Option<&HeaderValue>,
+    response: &HeaderMap,
+) -> bool {
+    fn listed(value: Option<&HeaderValue>) -> Vec<&[u8]> {
+        value.map_or_else(Vec::new, |v| {
+            v.as_bytes()
+                .split(|b| *b == b',')
+                .map(<[u8]>::trim_ascii)
+                .filter(|e| !e.is_empty())
+                .collect()
+        })
+    }
+    if listed(Some(stored)) == listed(theirs) {
+        return true;
+    }
+    name == header::ACCEPT_ENCODING
+        && response
+            .get(header::CONTENT_ENCODING)
+            .is_none_or(|c| c.as_bytes().trim_ascii().eq_ignore_ascii_case(b"identity"))
+        && accepts_identity(theirs)
+}
+
+/// Whether an `Accept-Encoding` value leaves a response without content coding acceptable.
+fn accepts_identity(accept: Option<&HeaderValue>) -> bool {
+    let Some(accept) = accept else {
+        return true;
+    };
+    let mut anything_refused = false;
+    for element in accept.as_bytes().split(|b| *b == b',') {
+        let mut parts = element.split(|b| *b == b';');
+        let coding = parts.next().unwrap_or_default().trim_ascii();
+        let refused = parts.any(|param| {
+            let param = param.trim_ascii();
+            param.len() >= 2 && param[..2].eq_ignore_ascii_case(b"q=") && is_zero(&param[2..])
+        });
+        if coding.eq_ignore_ascii_case(b"identity") {
+            return !refused;
+        }
+        if coding == b"*" {
+            anything_refused = refused;
+        }
+    }
+    !anything_refused
+}
+
+/// Whether a `qvalue` is zero (`0`, `0.`, `0.0`, up to three decimals).
+fn is_zero(q: &[u8]) -> bool {
+    match q.trim_ascii().split_first() {
+        Some((b'0', rest)) => {
+            rest.first().is_none_or(|dot| *dot == b'.') && rest.iter().skip(1).all(|d| *d == b'0')
+        }
+        _ => false,
+    }
 }
 
 fn replay_whole<B>(
@@ -539,6 +599,33 @@ async fn deliver(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn identity_is_refused_only_by_a_zero_weight() {
+        let accepts = |v: &'static str| accepts_identity(Some(&HeaderValue::from_static(v)));
+        for yes in [
+            "gzip",
+            "",
+            "identity",
+            "identity;q=0.001",
+            "*;q=0, identity",
+            "*;q=0.5",
+            "IDENTITY ; Q=1",
+            "*;q=00",
+        ] {
+            assert!(accepts(yes), "{yes:?}");
+        }
+        for no in [
+            "identity;q=0",
+            "identity; q=0.000",
+            "*;q=0",
+            "gzip, *;Q=0.",
+            " identity ;q=0 ",
+        ] {
+            assert!(!accepts(no), "{no:?}");
+        }
+        assert!(accepts_identity(None));
+    }
 
     /// Chunks holding more than the record's end says (a writer's bug: records authenticate,
     /// nothing else can write one) are refused before the first byte past the announced

@@ -551,6 +551,44 @@ async fn compression_inside_replays_only_what_was_negotiated() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// A response stored without a content coding (identity) suits any retry that does not refuse
+/// identity, whatever else it accepts: `CompressionLayer` marks such a response `Vary:
+/// accept-encoding` too, and a retry sending `Accept-Encoding: gzip` got 406, the stored
+/// result out of its reach. A list compared as a list: spacing after commas aside. A retry
+/// that refuses identity still gets 406.
+#[tokio::test]
+async fn an_identity_response_is_replayed_to_a_retry_that_accepts_it() {
+    let store = Store::memory();
+    let (app, runs) = gzip_app(&store, true);
+    let no_preference = Request::post("/pay")
+        .header("idempotency-key", "c-plain")
+        .body(Body::empty())
+        .unwrap();
+    let plain = send(&app, no_preference).await;
+    assert_eq!(plain.status, StatusCode::CREATED);
+    assert!(!plain.headers.contains_key("content-encoding"), "{plain:?}");
+    for accepts in ["gzip", "gzip, br", "identity;q=0.5, *;q=0"] {
+        let again = send(&app, with_encoding("c-plain", accepts)).await;
+        assert_eq!(again.status, StatusCode::CREATED, "{accepts}: {again:?}");
+        assert!(again.replayed(), "{accepts}");
+        assert_eq!(again.body, plain.body, "{accepts}");
+    }
+    for refuses in ["gzip, identity;q=0", "*;q=0", "br;q=1, *;q=0.000"] {
+        let again = send(&app, with_encoding("c-plain", refuses)).await;
+        assert_eq!(
+            again.status,
+            StatusCode::NOT_ACCEPTABLE,
+            "{refuses}: {again:?}"
+        );
+    }
+    let gz = send(&app, with_encoding("c-list", "gzip,deflate")).await;
+    assert_eq!(gz.headers["content-encoding"], "gzip");
+    let spaced = send(&app, with_encoding("c-list", "gzip, deflate")).await;
+    assert!(spaced.replayed(), "{spaced:?}");
+    assert_eq!(spaced.body, gz.body);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
 /// Replay applies the header policy in force now to what was stored under an earlier one.
 #[tokio::test]
 async fn replay_applies_the_current_header_policy() {
