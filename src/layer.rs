@@ -483,6 +483,11 @@ impl IdempotencyLayerBuilder {
     /// (a header, a closure) and no [`principal`](Self::principal) scopes it; keys that name a
     /// thing (a phone number, an event id) are global by nature and need neither.
     ///
+    /// Global means across hosts too: the scope is the method, the route and the key, not the
+    /// `Host`, so one service reached through two host names keeps one key. Tenants told apart by
+    /// host, sharing routes and a store, scope their keys with a principal that reads it:
+    /// `.principal(|p: &http::request::Parts| p.headers.get("host")?.to_str().ok().map(String::from))`.
+    ///
     /// ```
     /// # fn main() -> Result<(), tower_idempotency::ConfigError> {
     /// use tower_idempotency::{IdempotencyLayer, Store};
