@@ -195,7 +195,7 @@ fn check<B>(
     // only identity) is not this request's to replay.
     for (name, value) in &head.vary {
         let theirs = joined(&stored.request.headers, name);
-        if !suits(name, value, theirs.as_ref(), &head.headers) {
+        if !suits(config, name, value, theirs.as_ref(), &head.headers) {
             let rejection = Rejection::NotAcceptable {
                 header: name.as_str().to_owned(),
             };
@@ -209,8 +209,11 @@ fn check<B>(
 /// the response's `Vary` headers) suits this request, which sent `theirs`: the same list
 /// (spacing around its commas aside), or, for `Accept-Encoding`, a response without a content
 /// coding that this request does not refuse (RFC 9110, 12.5.3: identity is acceptable unless
-/// the request says `identity;q=0`, or `*;q=0` without an entry for `identity`).
+/// the request says `identity;q=0`, or `*;q=0` without an entry for `identity`). Only under a
+/// header policy that keeps `Content-Encoding`: under one that drops it, a stored head without
+/// it says nothing of the body's coding.
 fn suits(
+    config: &Config,
     name: &HeaderName,
     stored: &HeaderValue,
     theirs: Option<&HeaderValue>,
@@ -229,9 +232,13 @@ fn suits(
         return true;
     }
     name == header::ACCEPT_ENCODING
+        && config.replay_headers.keeps(&header::CONTENT_ENCODING)
         && response
-            .get(header::CONTENT_ENCODING)
-            .is_none_or(|c| c.as_bytes().trim_ascii().eq_ignore_ascii_case(b"identity"))
+            .get_all(header::CONTENT_ENCODING)
+            .iter()
+            .flat_map(|c| c.as_bytes().split(|b| *b == b','))
+            .map(<[u8]>::trim_ascii)
+            .all(|coding| coding.is_empty() || coding.eq_ignore_ascii_case(b"identity"))
         && accepts_identity(theirs)
 }
 

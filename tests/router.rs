@@ -587,6 +587,35 @@ async fn an_identity_response_is_replayed_to_a_retry_that_accepts_it() {
     assert!(spaced.replayed(), "{spaced:?}");
     assert_eq!(spaced.body, gz.body);
     assert_eq!(runs.load(Ordering::SeqCst), 2);
+
+    // Under a header policy that drops Content-Encoding, a stored head without it says
+    // nothing of the body's coding: a gzip body stays out of reach of another Accept-Encoding.
+    let handler = || async {
+        (
+            StatusCode::CREATED,
+            [("content-type", "text/plain")],
+            "run ".repeat(200),
+        )
+    };
+    let layer = builder(&store)
+        .global_keys()
+        .replay_headers(ReplayHeaders::allow(["content-type"]).unwrap())
+        .build()
+        .unwrap();
+    let dropping = Router::new()
+        .route("/pay", post(handler))
+        .layer(tower_http::compression::CompressionLayer::new())
+        .layer(layer);
+    let gz = send(&dropping, with_encoding("c-drop", "gzip")).await;
+    assert_eq!(gz.headers["content-encoding"], "gzip");
+    for other in ["br", "identity"] {
+        let again = send(&dropping, with_encoding("c-drop", other)).await;
+        assert_eq!(
+            again.status,
+            StatusCode::NOT_ACCEPTABLE,
+            "{other}: {again:?}"
+        );
+    }
 }
 
 /// Replay applies the header policy in force now to what was stored under an earlier one.
