@@ -923,7 +923,8 @@ impl Follower {
     /// Advances past the parts returned.
     ///
     /// # Errors
-    /// As [`Once::parts`].
+    /// As [`Once::parts`], and [`LockError::BrokenRecord`] when the record being written holds
+    /// fewer parts than were read from it (parts lost: evicted, deleted).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -951,6 +952,20 @@ impl Follower {
                 waiter.mark_seen();
             }
             let read = self.pinned(self.once.parts(self.next, max).await?);
+            // The writer followed holds fewer parts than were read from it: a writer's parts
+            // only grow, so some were lost (evicted under `maxmemory`, deleted), and its next
+            // append will be refused. Said at once, not waited out until the writer's run ends.
+            if let RecordState::Writing { parts } = read.state
+                && parts < self.next
+            {
+                return Err(LockError::broken(
+                    self.once.name.as_str(),
+                    format!(
+                        "the record being written holds {parts} parts, {} were read from it: parts lost",
+                        self.next
+                    ),
+                ));
+            }
             let now = crate::clock::now();
             if read.ready(self.next) || now >= until {
                 self.next = read.next();

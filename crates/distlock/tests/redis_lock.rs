@@ -1241,3 +1241,41 @@ async fn script_calls(admin: &mut redis::aio::MultiplexedConnection) -> u64 {
         })
         .sum()
 }
+
+/// A follower of a live record whose parts Redis lost (evicted under `maxmemory`, deleted)
+/// while the writer lives is told at once, not left waiting: a writer's list never shrinks, so
+/// fewer parts than the follower has read means parts lost. Before, it was told "writing, no
+/// parts" and waited for the writer (whose next append is refused, and who then appends no
+/// more) until the writer's run ended: a live stream's joiner sat silent for as long.
+#[tokio::test]
+async fn a_follower_whose_parts_were_lost_is_told_at_once() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("parts-lost-follow");
+    let config = LockConfig::builder()
+        .lease(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let c = client(&server, &prefix, config).await;
+    let once = c.once("s").unwrap();
+    let Begin::Acquired(writer) = once.begin("fp").await.unwrap() else {
+        panic!("the lock")
+    };
+    writer.append(b"a").await.unwrap();
+    writer.append(b"b").await.unwrap();
+    let mut follower = once.follow(0);
+    let soon = || std::time::Instant::now() + Duration::from_secs(1);
+    assert_eq!(follower.next(8, soon()).await.unwrap().parts().len(), 2);
+    let mut admin = server.connection().await;
+    let _: () = admin.del(once.name().parts_key()).await.unwrap();
+    let read = tokio::time::timeout(
+        Duration::from_secs(5),
+        follower.next(8, std::time::Instant::now() + Duration::from_secs(20)),
+    )
+    .await
+    .expect("the follower still waits 5 s after the parts it read were lost");
+    match read {
+        Err(LockError::BrokenRecord { .. }) => {}
+        other => panic!("expected BrokenRecord, got {other:?}"),
+    }
+    drop(writer);
+}
