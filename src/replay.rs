@@ -153,6 +153,12 @@ pub(crate) async fn join<B>(
     };
     let head = match sealer.open_part(0, 0, &first) {
         Ok(Part::Head(head)) if head.fence == writer => head,
+        // The writer's streamed record broke (its parts lost) and it stored in their place, in
+        // one part, what it could say (its outcome without its body, or unknown): a complete
+        // record, replayed as a retry a moment later would be.
+        Ok(Part::Whole(whole)) if whole.head.fence == writer => {
+            return replay_whole(config, &stored, whole);
+        }
         Ok(_) => {
             return unreadable(
                 config,

@@ -713,3 +713,87 @@ async fn a_duplicate_during_the_completion_round_trip_gets_the_replay() {
     assert_eq!(duplicate.body, first.body);
     assert_eq!(probe.runs(), 1);
 }
+
+/// A duplicate on instance B finds a streamed record being written on instance A and joins it.
+/// Right then the writer's parts are lost (deleted here; evicted under `maxmemory`), and the
+/// writer stores in their place its outcome without its body, one whole part. The joiner's
+/// first read finds that complete one-part record: it replays it (410 `response-not-stored`,
+/// as a retry a moment later gets), not 500 `record-unreadable` ("a streamed record starts
+/// with the wrong part") as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joiner_that_finds_the_record_stored_whole_replays_it() {
+    use support::within;
+    let server = RedisServer::start_owned().await;
+    let prefix = testkit::unique_prefix("join-whole");
+    let (a, probe) = app(&redis_store(&server.url(), &prefix).await, |b| b);
+    let hooked = testkit::HookedConnection::new(server.connection().await);
+    let b_client = distlock::LockClient::builder()
+        .prefix(&prefix)
+        .unwrap()
+        .redis(hooked.clone())
+        .unwrap();
+    b_client.prepare().await.unwrap();
+    let b = app_with(&Store::from_client(b_client), &probe, |b| {
+        b.on_conflict(tower_idempotency::OnConflict::Wait(Duration::from_secs(10)))
+    });
+    let (addr_a, _server_a) = serve(a).await;
+    let (addr_b, _server_b) = serve(b).await;
+    let client = client();
+    let request = || {
+        Request::post("/stream")
+            .header("idempotency-key", "s")
+            .header("authorization", "alice")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let mut first = request();
+    *first.uri_mut() = format!("http://{addr_a}/stream").parse().unwrap();
+    let first = within("the response", client.request(first)).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let reading = tokio::spawn(http_body_util::BodyExt::collect(first.into_body()));
+    let mut r = server.connection().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let (parts, state) = loop {
+        let parts: Vec<String> = r.keys(format!("{prefix}:*:parts")).await.unwrap();
+        let state: Vec<String> = r.keys(format!("{prefix}:*:state")).await.unwrap();
+        if let (Some(parts), Some(state)) = (parts.first(), state.first()) {
+            break (parts.clone(), state.clone());
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no part stored within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    // Between B's look that decides to join (the record being written, parts stored) and its
+    // first read, the parts go and A stores its outcome whole in their place. B looks twice:
+    // `begin`, then `begin_wait` (which returns at once, parts being there): the second look.
+    let (told, replaced) = tokio::sync::oneshot::channel();
+    let mut admin = server.connection().await;
+    let second = hooked.clone();
+    let lose_the_parts = move || async move {
+        let _: () = admin.del(&parts).await.unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut whole = false;
+        while !whole && std::time::Instant::now() < deadline {
+            whole = admin.hexists(&state, "d").await.unwrap();
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let _ = told.send(whole);
+    };
+    hooked.after_reply_to(b"_begin", move || {
+        second.after_reply_to(b"_begin", lose_the_parts);
+        std::future::ready(())
+    });
+    let joined = within("the duplicate", http(&client, addr_b, request())).await;
+    assert!(
+        replaced.await.unwrap_or(false),
+        "the writer did not store its outcome whole within 10 s"
+    );
+    let got = within("the first body", reading).await.unwrap().unwrap();
+    let expected: String = (0..10).map(|i| format!("run 1 part {i};")).collect();
+    assert_eq!(got.to_bytes(), expected, "the first client got it all");
+    assert_eq!(probe.runs(), 1, "ran again: {joined:?}");
+    assert_eq!(joined.status, StatusCode::GONE, "{joined:?}");
+    assert_eq!(joined.problem(), "response-not-stored");
+}
