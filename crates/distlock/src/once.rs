@@ -853,6 +853,7 @@ impl Once {
             once: self.clone(),
             next: from,
             writer: None,
+            seen: 0,
             waiter: None,
         }
     }
@@ -881,6 +882,8 @@ pub struct Follower {
     once: Once,
     next: u64,
     writer: Option<u64>,
+    /// The most parts the writer followed was seen holding: its parts only grow.
+    seen: u64,
     /// Registered at the first wait, kept until dropped.
     waiter: Option<Waiter>,
 }
@@ -924,7 +927,7 @@ impl Follower {
     ///
     /// # Errors
     /// As [`Once::parts`], and [`LockError::BrokenRecord`] when the record being written holds
-    /// fewer parts than were read from it (parts lost: evicted, deleted).
+    /// fewer parts than this follower saw it hold (parts lost: evicted, deleted).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -952,19 +955,21 @@ impl Follower {
                 waiter.mark_seen();
             }
             let read = self.pinned(self.once.parts(self.next, max).await?);
-            // The writer followed holds fewer parts than were read from it: a writer's parts
+            // The writer followed holds fewer parts than it was seen holding: a writer's parts
             // only grow, so some were lost (evicted under `maxmemory`, deleted), and its next
             // append will be refused. Said at once, not waited out until the writer's run ends.
-            if let RecordState::Writing { parts } = read.state
-                && parts < self.next
-            {
-                return Err(LockError::broken(
-                    self.once.name.as_str(),
-                    format!(
-                        "the record being written holds {parts} parts, {} were read from it: parts lost",
-                        self.next
-                    ),
-                ));
+            // (Fewer than the position alone is a reader that started ahead: it waits.)
+            if let RecordState::Writing { parts } = read.state {
+                if parts < self.seen {
+                    return Err(LockError::broken(
+                        self.once.name.as_str(),
+                        format!(
+                            "the record being written holds {parts} parts, {} before: parts lost",
+                            self.seen
+                        ),
+                    ));
+                }
+                self.seen = parts;
             }
             let now = crate::clock::now();
             if read.ready(self.next) || now >= until {

@@ -105,6 +105,7 @@ both!(
     a_lost_lease_mid_stream_is_abandoned_and_the_next_holder_starts_clean,
     abort_and_drop_after_appends_leave_no_parts,
     begin_wait_returns_on_the_first_part,
+    a_reader_ahead_of_the_writer_waits_for_its_part,
     a_completion_reaches_every_waiting_duplicate,
     a_record_begun_again_after_it_expired_draws_a_larger_fence,
 );
@@ -699,6 +700,41 @@ async fn a_completion_reaches_every_waiting_duplicate(store: Store) {
             other => panic!("waiter {i}: {other:?}"),
         }
     }
+}
+
+/// A reader can start ahead of the writer (`follow(n)`, `wait_parts(n, ..)` before part n is
+/// there) and waits there: fewer parts than its position is not parts lost (a count that goes
+/// down under it is; see `redis_lock::a_follower_whose_parts_were_lost_is_told_at_once`).
+async fn a_reader_ahead_of_the_writer_waits_for_its_part(store: Store) {
+    let client = store.client(LockConfig::default()).await;
+    let once = client.once("ahead").unwrap();
+    let g = holder(&once).await;
+    g.append(b"0").await.unwrap();
+    g.append(b"1").await.unwrap();
+    let mut ahead = once.follow(3);
+    let read = ahead.next(8, Instant::now() + ms(50)).await.unwrap();
+    assert_eq!(read.state(), RecordState::Writing { parts: 2 });
+    assert!(read.parts().is_empty());
+    let waiting = tokio::spawn({
+        let once = once.clone();
+        async move {
+            once.wait_parts(3, 8, Instant::now() + Duration::from_secs(10))
+                .await
+        }
+    });
+    g.append(b"2").await.unwrap();
+    g.append(b"3").await.unwrap();
+    let read = ahead
+        .next(8, Instant::now() + Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(read.parts(), [&b"3"[..]]);
+    let waited = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the waiting reader returned")
+        .unwrap()
+        .unwrap();
+    assert_eq!(waited.parts(), [&b"3"[..]]);
 }
 
 /// A record's fencing counter lives in its state, which expires with the record. Begun again
