@@ -315,6 +315,8 @@ fn content_type_is(parts: &Parts, check: impl Fn(&str) -> bool) -> bool {
 #[derive(Debug, Clone)]
 pub struct JsonKey {
     pointer: String,
+    /// Its reference tokens, unescaped.
+    tokens: Vec<String>,
 }
 
 /// A string in a JSON body, by JSON pointer (RFC 6901): `/phone`, `/data/object/id`. The
@@ -344,6 +346,7 @@ pub fn json(pointer: &str) -> Result<JsonKey, ConfigError> {
     }
     Ok(JsonKey {
         pointer: pointer.to_owned(),
+        tokens: pointer_tokens(pointer),
     })
 }
 
@@ -354,12 +357,11 @@ impl KeySource for JsonKey {
                 expected: "application/json",
             });
         }
-        let tokens = pointer_tokens(&self.pointer);
         let repeated = std::cell::Cell::new(false);
         let mut reader = serde_json::Deserializer::from_slice(body);
         let found = serde::de::DeserializeSeed::deserialize(
             Path {
-                tokens: &tokens,
+                tokens: &self.tokens,
                 repeated: &repeated,
             },
             &mut reader,

@@ -225,16 +225,14 @@ fn suits(
     theirs: Option<&HeaderValue>,
     response: &HeaderMap,
 ) -> bool {
-    fn listed(value: Option<&HeaderValue>) -> Vec<&[u8]> {
-        value.map_or_else(Vec::new, |v| {
-            v.as_bytes()
-                .split(|b| *b == b',')
-                .map(<[u8]>::trim_ascii)
-                .filter(|e| !e.is_empty())
-                .collect()
-        })
+    fn listed(value: Option<&HeaderValue>) -> impl Iterator<Item = &[u8]> {
+        value
+            .map_or(&[][..], HeaderValue::as_bytes)
+            .split(|b| *b == b',')
+            .map(<[u8]>::trim_ascii)
+            .filter(|e| !e.is_empty())
     }
-    if listed(Some(stored)) == listed(theirs) {
+    if listed(Some(stored)).eq(listed(theirs)) {
         return true;
     }
     name == header::ACCEPT_ENCODING

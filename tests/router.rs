@@ -618,6 +618,19 @@ async fn an_identity_response_is_replayed_to_a_retry_that_accepts_it() {
     }
 }
 
+/// A layer whose header policy, on top of the default, drops `x-internal-trace`.
+fn denying_trace(store: &Store) -> IdempotencyLayer {
+    builder(store)
+        .global_keys()
+        .replay_headers(
+            ReplayHeaders::default_deny()
+                .and_deny(["x-internal-trace"])
+                .unwrap(),
+        )
+        .build()
+        .unwrap()
+}
+
 /// Replay applies the header policy in force now to what was stored under an earlier one.
 #[tokio::test]
 async fn replay_applies_the_current_header_policy() {
@@ -634,17 +647,9 @@ async fn replay_applies_the_current_header_policy() {
         .layer(builder(&store).global_keys().build().unwrap());
     let first = send(&before, post_req("/pay", Some("policy"), "")).await;
     assert_eq!(first.headers["x-internal-trace"], "t-1");
-    let after = Router::new().route("/pay", post(handler)).layer(
-        builder(&store)
-            .global_keys()
-            .replay_headers(
-                ReplayHeaders::default_deny()
-                    .and_deny(["x-internal-trace"])
-                    .unwrap(),
-            )
-            .build()
-            .unwrap(),
-    );
+    let after = Router::new()
+        .route("/pay", post(handler))
+        .layer(denying_trace(&store));
     let replay = send(&after, post_req("/pay", Some("policy"), "")).await;
     assert!(replay.replayed());
     assert!(
@@ -678,17 +683,9 @@ async fn a_head_too_large_to_replay_is_refused_not_a_panic() {
     let first = send(&before, post_req("/pay", Some("many"), "")).await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(first.headers.get_all("x-many").iter().count(), 30_000);
-    let after = Router::new().route("/pay", post(handler)).layer(
-        builder(&store)
-            .global_keys()
-            .replay_headers(
-                ReplayHeaders::default_deny()
-                    .and_deny(["x-internal-trace"])
-                    .unwrap(),
-            )
-            .build()
-            .unwrap(),
-    );
+    let after = Router::new()
+        .route("/pay", post(handler))
+        .layer(denying_trace(&store));
     for app in [&after, &before] {
         let replay = send(app, post_req("/pay", Some("many"), "")).await;
         assert_eq!(replay.status, StatusCode::INTERNAL_SERVER_ERROR);

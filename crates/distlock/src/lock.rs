@@ -271,7 +271,7 @@ fn spawn_cleanup(backend: Arc<dyn Backend>, op: Op, config: LockConfig, sent: In
                     // The lock was taken and is free again: wake the next waiter of this
                     // client as a release would (a client without pub/sub hears no
                     // announcement; one with it hears this token as already heard).
-                    if released && !matches!(op.mode, Mode::Reentrant { .. }) {
+                    if released {
                         crate::backend::wake_next(&*backend, &op);
                     }
                     return;

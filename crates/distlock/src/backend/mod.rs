@@ -152,14 +152,18 @@ pub(crate) async fn release_and_wake(backend: &dyn Backend, op: &Op) -> Result<b
         Some(answered) => answered?,
         None => release.await?,
     };
-    if released && wakes && !early {
+    if released && !early {
         wake_next(backend, op);
     }
     Ok(released)
 }
 
-/// Wakes the next local waiter of `op`'s lock, which `op` released.
+/// Wakes the next local waiter of `op`'s lock, which `op` released (not for a reentrant hold:
+/// only the store knows whether its release freed the lock, and it announces the last one).
 pub(crate) fn wake_next(backend: &dyn Backend, op: &Op) {
+    if matches!(op.mode, Mode::Reentrant { .. }) {
+        return;
+    }
     backend
         .waiters()
         .wake(op.name.channel(), op.token.as_str().as_bytes());
