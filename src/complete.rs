@@ -13,7 +13,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use crate::begin::Run;
 use crate::metrics::{Event, count, store_latency};
 use crate::outcome::UnknownOutcome;
-use crate::record::{EncodeHead, Kind, Part, Sealer};
+use crate::record::{self, EncodeHead, Kind, Part, Sealer};
 
 impl Run {
     /// The cipher of this execution's record.
@@ -83,30 +83,26 @@ pub(crate) fn whole(
     body: Option<&[u8]>,
     trailers: Option<&HeaderMap>,
 ) -> Vec<u8> {
-    let kind = match body {
-        Some(_) => Kind::Response,
-        None => {
-            tracing::warn!(
-                limit = run.config.record_limit,
-                "idempotency: response body not kept (over the storage limit, or the handler said so); storing the outcome without it"
-            );
-            Kind::BodyNotKept
-        }
-    };
     let vary = negotiated(headers, &run.negotiated);
+    let mut head = run.head(Kind::Response, status, headers, &vary);
+    // A response with more header values than a record holds is not kept either: a replay
+    // must not miss any.
+    let body = body.filter(|_| head.fits() && record::fits(trailers));
     let outcome;
     let trailers = match body {
         Some(_) => trailers,
         None => {
+            tracing::warn!(
+                limit = run.config.record_limit,
+                "idempotency: response body not kept (over the storage limit, more header values than a record holds, or the handler said so); storing the outcome without it"
+            );
+            head.kind = Kind::BodyNotKept;
             outcome = outcome_trailers(trailers);
             outcome.as_ref()
         }
     };
-    run.sealer().seal_whole(
-        &run.head(kind, status, headers, &vary),
-        body.unwrap_or_default(),
-        trailers,
-    )
+    run.sealer()
+        .seal_whole(&head, body.unwrap_or_default(), trailers)
 }
 
 /// The trailers kept with an outcome stored without its body: `grpc-status` alone (a gRPC

@@ -33,7 +33,7 @@ use crate::body::{Announced, BoxError, Feed, Message, ResponseBody};
 use crate::complete;
 use crate::execution::Finished;
 use crate::metrics::Event;
-use crate::record::{Kind, Sealer};
+use crate::record::{self, Kind, Sealer};
 
 /// The most read from a body before its head goes out: a body complete within it is stored and
 /// sent whole; a longer one is streamed.
@@ -235,6 +235,10 @@ impl Sink {
     /// Starts keeping the body of a streamed response; on a store that streams, appends its head.
     async fn open(run: &Run, status: StatusCode, headers: &HeaderMap, keep: bool) -> Sink {
         let config = &run.config;
+        let vary = complete::negotiated(headers, &run.negotiated);
+        let head = run.head(Kind::Response, status, headers, &vary);
+        // More header values than a record holds: the outcome is stored without the body.
+        let keep = keep && head.fits();
         let mut sink = Sink {
             // Not kept: nothing of it is, even a body without data (whose outcome would
             // otherwise be stored as a response with an empty body).
@@ -249,10 +253,7 @@ impl Sink {
             trailers: None,
         };
         if keep && config.store.client().supports_streaming() {
-            let vary = complete::negotiated(headers, &run.negotiated);
-            let head = run
-                .sealer()
-                .seal_head(&run.head(Kind::Response, status, headers, &vary));
+            let head = run.sealer().seal_head(&head);
             sink.mode = Mode::Parts {
                 buffer: Sealer::chunk_buffer(config.chunk_size),
                 chunk: config.chunk_size,
@@ -347,7 +348,9 @@ impl Sink {
             }
             Mode::Parts { .. } => {
                 let trailers = trailers.as_ref();
-                complete::end(run, status, headers, true, self.len, trailers).await;
+                // More trailer values than a record holds: the body is not kept either.
+                let kept = record::fits(trailers);
+                complete::end(run, status, headers, kept, self.len, trailers).await;
             }
             // Not kept: its `grpc-status` trailer is (a gRPC call's outcome).
             Mode::Dropped if run.guard.appended() > 0 => {

@@ -110,10 +110,31 @@ fn kept<'a>(
     headers: &'a HeaderMap,
     keep: &'a impl Fn(&HeaderName) -> bool,
 ) -> impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)> {
-    headers
-        .iter()
-        .filter(move |(name, _)| keep(name))
-        .take(u16::MAX as usize)
+    // Past MAX_HEADER_VALUES (an outcome stored without its body, see `EncodeHead::fits`):
+    // whole headers, in order, those whose values still fit.
+    let crowded = headers.len() > MAX_HEADER_VALUES;
+    let mut room = MAX_HEADER_VALUES;
+    let mut current: Option<(&HeaderName, bool)> = None;
+    headers.iter().filter(move |(name, _)| {
+        if !keep(name) {
+            return false;
+        }
+        if !crowded {
+            return true;
+        }
+        match current {
+            Some((seen, take)) if seen == *name => take,
+            _ => {
+                let count = headers.get_all(*name).iter().count();
+                let take = count <= room;
+                if take {
+                    room -= count;
+                }
+                current = Some((name, take));
+                take
+            }
+        }
+    })
 }
 
 fn all(_: &HeaderName) -> bool {
@@ -128,21 +149,27 @@ fn headers_len<'a>(
     })
 }
 
-/// The most header values (of a head, its `Vary` headers or its trailers) a record is read
-/// back with. Far above what clients take (hyper's reads 100 by default), far below what a
-/// header map holds; a response with more is stored, and its replay refused as unreadable.
+/// The most header values (of a head, its `Vary` headers or its trailers) a record holds.
+/// Far above what clients take (hyper's reads 100 by default), far below what a header map
+/// holds. A response with more is stored without its body ([`EncodeHead::fits`] tells the
+/// writers), and a block is never written with more (what is beyond is left out of such an
+/// outcome); one read with more is refused as unreadable.
 const MAX_HEADER_VALUES: usize = 8_192;
+
+/// Whether `headers` fit in a record (see [`MAX_HEADER_VALUES`]): a response's trailers.
+pub(crate) fn fits(headers: Option<&HeaderMap>) -> bool {
+    headers.is_none_or(|headers| headers.len() <= MAX_HEADER_VALUES)
+}
 
 fn put_headers<'a>(
     out: &mut Vec<u8>,
     count: usize,
     headers: impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
 ) {
-    // The count is a `u16`: a block stays well-formed (and is refused when read, above
-    // MAX_HEADER_VALUES) rather than announce fewer values than follow it.
-    let count = u16::try_from(count).unwrap_or(u16::MAX);
-    out.put_u16(count);
-    for (name, value) in headers.take(usize::from(count)) {
+    // At most MAX_HEADER_VALUES (`kept` takes no more): a `u16`.
+    let count = count.min(MAX_HEADER_VALUES);
+    out.put_u16(count as u16);
+    for (name, value) in headers.take(count) {
         out.put_u16(name.as_str().len() as u16);
         out.put_slice(name.as_str().as_bytes());
         out.put_u32(value.len() as u32);
@@ -151,6 +178,16 @@ fn put_headers<'a>(
 }
 
 impl<K: Fn(&HeaderName) -> bool> EncodeHead<'_, K> {
+    /// Whether this head (the headers it keeps, its `Vary` headers) fits in a record: a
+    /// response whose head does not is stored without its body, its head cut to what fits.
+    pub(crate) fn fits(&self) -> bool {
+        self.vary.len() <= MAX_HEADER_VALUES
+            && (self.headers.iter())
+                .filter(|(name, _)| (self.keep)(name))
+                .nth(MAX_HEADER_VALUES)
+                .is_none()
+    }
+
     fn len(&self) -> (usize, usize, usize, usize) {
         let (count, len) = headers_len(kept(self.headers, &self.keep));
         let (v_count, v_len) = headers_len(kept(self.vary, &all));
@@ -446,6 +483,27 @@ mod tests {
             panic!("decoding panicked")
         };
         assert!(decoded.is_err(), "{decoded:?}");
+    }
+
+    /// A head with more values than a record holds is written with the whole headers that fit,
+    /// in order (what a response stored without its body keeps), and reads back.
+    #[test]
+    fn a_crowded_head_keeps_the_whole_headers_that_fit() {
+        let mut h = head(Kind::BodyNotKept);
+        h.headers.clear();
+        h.headers
+            .insert("location", HeaderValue::from_static("/p/1"));
+        for _ in 0..MAX_HEADER_VALUES {
+            h.headers.append("x-many", HeaderValue::from_static("1"));
+        }
+        h.headers.insert("x-last", HeaderValue::from_static("2"));
+        let mut out = Vec::new();
+        encode_head(&h, &mut out);
+        let Part::Head(read) = Part::decode(&Bytes::from(out)).unwrap() else {
+            panic!("not a head")
+        };
+        let names: Vec<_> = read.headers.keys().map(HeaderName::as_str).collect();
+        assert_eq!(names, ["location", "x-last"]);
     }
 
     #[test]

@@ -13,7 +13,7 @@
 mod format;
 mod seal;
 
-pub(crate) use format::{EncodeHead, Head, Kind, Part, Record, write_end, write_unknown};
+pub(crate) use format::{EncodeHead, Head, Kind, Part, Record, fits, write_end, write_unknown};
 pub(crate) use seal::Sealer;
 
 use http::{HeaderMap, HeaderName};
