@@ -582,7 +582,9 @@ impl IdempotencyLayerBuilder {
 
     /// Largest response body stored for replay (default 64 MiB on stores that stream records,
     /// which hold one chunk of it in memory at a time; 1 MiB on Redlock, which keeps it in
-    /// memory and stores it whole). A larger response is still sent in full; its status,
+    /// memory and stores it whole; on the in-memory store, a quarter of its
+    /// [`max_bytes`](distlock::MemoryLimits::max_bytes) at most, 16 MiB by default, and more is
+    /// refused at build: it evicts the oldest outcomes to make room for a record as it streams). A larger response is still sent in full; its status,
     /// headers and `grpc-status` trailer are stored without the body, and retries get a
     /// `response-not-stored` problem instead of running the handler again.
     ///
@@ -946,7 +948,22 @@ impl IdempotencyLayerBuilder {
         } else {
             (1 << 20, MAX_WHOLE_RECORD_LIMIT)
         };
-        let record_limit = self.record_limit.unwrap_or(default_limit);
+        // The in-memory store makes room for a record by evicting the oldest outcomes, part by
+        // part for a streamed one, before it knows whether the record will fit or be kept: a
+        // record may take at most a quarter of its bytes.
+        let memory_cap = (store.client().memory_limits()).map(|l| (l.max_bytes() / 4).max(1));
+        let record_limit = (self.record_limit)
+            .unwrap_or_else(|| memory_cap.map_or(default_limit, |cap| cap.min(default_limit)));
+        if let Some(cap) = memory_cap
+            && record_limit > cap
+        {
+            return invalid(
+                "record_limit",
+                format!(
+                    "{record_limit} is over a quarter of the in-memory store's bytes ({cap}):                      making room for a record that large, part by part as it streams, would                      evict most stored outcomes, also for one that ends up not kept; raise                      MemoryLimits or lower the limit"
+                ),
+            );
+        }
         if record_limit == 0 || record_limit > max_limit {
             return invalid(
                 "record_limit",
@@ -1045,6 +1062,8 @@ mod tests {
             (base().body_limit(0), "body_limit"),
             (base().record_limit(0), "record_limit"),
             (base().record_limit(MAX_RECORD_LIMIT + 1), "record_limit"),
+            // Over a quarter of the in-memory store's bytes (the default store: 64 MiB).
+            (base().record_limit((16 << 20) + 1), "record_limit"),
             (base().chunk_size(100), "chunk_size"),
             (base().chunk_size(MAX_CHUNK_SIZE + 1), "chunk_size"),
             (base().read_timeout(Duration::ZERO), "read_timeout"),
@@ -1068,6 +1087,11 @@ mod tests {
                 other => panic!("{field}: {other:?}"),
             }
         }
+        // On the in-memory store the default record limit is a quarter of its bytes.
+        let small = Store::memory_with(distlock::MemoryLimits::new(10, 4096).unwrap());
+        let layer = IdempotencyLayer::builder(small).global_keys();
+        assert_eq!(layer.build().unwrap().config().record_limit, 1024);
+        assert!(base().record_limit(16 << 20).build().is_ok());
         // Scoping: a client-chosen key needs a principal or global_keys(), not both.
         let bare = || IdempotencyLayer::builder(Store::memory());
         for (builder, field) in [

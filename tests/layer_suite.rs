@@ -1018,7 +1018,9 @@ async fn a_full_memory_store_evicts_outcomes_never_requests_in_flight() {
 
     // A record the store cannot hold even empty (a 6 KB response, a 4 KiB budget) evicts no
     // stored outcome on its way to being refused (before: every one went first, and each of
-    // their retries ran its handler again).
+    // their retries ran its handler again). Since the record limit on the in-memory store is a
+    // quarter of its bytes it is not kept by that limit, before the store is asked; the store's
+    // own refusal is distlock's `what_cannot_fit_evicts_nothing`.
     for unknown in [UnknownOutcome::Record, UnknownOutcome::Release] {
         let store =
             tower_idempotency::Store::memory_with(distlock::MemoryLimits::new(100, 4096).unwrap());
@@ -1058,6 +1060,32 @@ async fn a_full_memory_store_evicts_outcomes_never_requests_in_flight() {
             "{unknown:?}: a, b, c and big each ran once"
         );
     }
+
+    // A streamed record, appended part by part, evicts no stored outcome for a body it cannot
+    // keep: the memory store's record limit is at most a quarter of its bytes (before: the
+    // default 64 MiB on a 256 KiB store; a 300 KiB stream in 1 KiB chunks evicted every outcome on its way to
+    // being refused, and each of their retries ran its handler again).
+    let store = tower_idempotency::Store::memory_with(
+        distlock::MemoryLimits::new(100, 256 * 1024).unwrap(),
+    );
+    let (svc, probe) = app(&store, |b| b.chunk_size(1024));
+    let keys = ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"];
+    for key in keys {
+        let reply = send(&svc, post_key("/things", key, "{}")).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    }
+    let big = send(&svc, post_key("/download?kib=300", "big", "")).await;
+    assert_eq!(big.status, StatusCode::OK, "{big:?}");
+    assert_eq!(big.body.len(), 300 * 1024, "the client gets it all");
+    for key in keys {
+        let again = send(&svc, post_key("/things", key, "{}")).await;
+        assert!(again.replayed(), "{key} kept: {again:?}");
+        assert_eq!(probe.runs_of(key), 1, "{key} ran once");
+    }
+    let again = send(&svc, post_key("/download?kib=300", "big", "")).await;
+    assert_eq!(again.status, StatusCode::GONE, "{again:?}");
+    assert_eq!(again.problem(), "response-not-stored");
+    assert_eq!(probe.runs(), keys.len() + 1, "each key ran once");
 
     // Eviction order, on a store of three entries: the oldest stored outcome goes first.
     let store =

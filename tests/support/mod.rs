@@ -29,6 +29,7 @@ macro_rules! both_stores {
 
 pub mod streaming;
 
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -382,6 +383,22 @@ fn routes() -> Router<Probe> {
         .route("/quiet", post(quiet))
         .route("/decide", post(decide))
         .route("/stream", post(stream))
+        .route("/download", post(download))
+}
+
+#[derive(serde::Deserialize)]
+struct DownloadQuery {
+    kib: usize,
+}
+
+/// `kib` KiB in 1 KiB frames, all ready at once (over a chunk: streamed into the store).
+async fn download(State(p): State<Probe>, Query(q): Query<DownloadQuery>) -> Response {
+    p.enter().await;
+    static KIB: [u8; 1024] = [b'x'; 1024];
+    let frames = futures_util::stream::iter(
+        (0..q.kib).map(|_| Ok::<_, Infallible>(http_body::Frame::data(Bytes::from_static(&KIB)))),
+    );
+    Body::new(http_body_util::StreamBody::new(frames)).into_response()
 }
 
 /// Another instance of the service, sharing `probe` (as instances share a database).

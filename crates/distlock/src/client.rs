@@ -206,6 +206,17 @@ impl LockClient {
         self.inner.backend.supports_streaming()
     }
 
+    /// The bounds of the in-memory store ([`LockClientBuilder::memory`]); `None` for Redis.
+    ///
+    /// ```
+    /// let limits = distlock::MemoryLimits::new(1_000, 1 << 20).unwrap();
+    /// let client = distlock::LockClient::builder().memory(limits);
+    /// assert_eq!(client.memory_limits(), Some(limits));
+    /// ```
+    pub fn memory_limits(&self) -> Option<MemoryLimits> {
+        self.inner.backend.memory_limits()
+    }
+
     /// Connects to the store, loads the lock scripts and runs one of them now, so that the first
     /// acquisition does not pay for it and a misconfigured store shows up at startup. Optional:
     /// everything also happens on first use.

@@ -957,6 +957,10 @@ impl Backend for MemoryBackend {
         true
     }
 
+    fn memory_limits(&self) -> Option<MemoryLimits> {
+        Some(self.limits)
+    }
+
     fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>> {
         Box::pin(std::future::ready(Ok(())))
     }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::once::{Parts, Record};
-use crate::{LockError, LockName, OwnerId, Token};
+use crate::{LockError, LockName, MemoryLimits, OwnerId, Token};
 
 pub(crate) mod memory;
 #[cfg(test)]
@@ -230,6 +230,10 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Whether `append` and `parts` work on this store.
     fn supports_streaming(&self) -> bool {
         false
+    }
+    /// The bounds of an in-memory store (`None`: another store).
+    fn memory_limits(&self) -> Option<MemoryLimits> {
+        None
     }
     /// The error of a streaming operation this store does not offer.
     fn unsupported(&self, name: &LockName, operation: &'static str) -> LockError {
