@@ -35,7 +35,11 @@ impl Run {
             status,
             fence: self.guard.fence(),
             headers,
-            keep: |name: &HeaderName| self.config.replay_headers.keeps(name),
+            // The announced length too, whatever the policy: a duplicate joining the body as
+            // it is written announces it (a replay sets it from what it replays).
+            keep: |name: &HeaderName| {
+                name == header::CONTENT_LENGTH || self.config.replay_headers.keeps(name)
+            },
             vary,
         }
     }

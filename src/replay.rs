@@ -402,10 +402,16 @@ enum Source {
 }
 
 impl Source {
-    /// The body's length, when it is known and announced.
-    fn length(&self) -> Option<u64> {
+    /// The body's length, when it is known and announced: a completed record's; for one being
+    /// written, the length its head announced to the first client (kept in the record whatever
+    /// the header policy, see `Run::head`), which its writer is held to.
+    fn length(&self, head: &Head) -> Option<u64> {
         match self {
             Source::Stored { length, .. } => *length,
+            Source::Live(_) if has_body(head.status) => {
+                let announced = head.headers.get(header::CONTENT_LENGTH)?;
+                announced.to_str().ok()?.parse().ok()
+            }
             Source::Live(_) => None,
         }
     }
@@ -421,8 +427,8 @@ fn streamed<B>(
 ) -> Response<ResponseBody<B>> {
     // Driven by the body: a client that reads nothing holds nothing.
     let (feed, mut body) = Feed::channel(None);
-    let length = source.length();
-    let reading = read(source, feed, *key, name.to_owned(), head.fence);
+    let length = source.length(&head);
+    let reading = read(source, length, feed, *key, name.to_owned(), head.fence);
     // The body drives the reading while the client reads; dropping it stops the reading.
     let _ = body.drive(Execution::cancellable(Box::pin(reading)));
     let mut response = Response::new(body);
@@ -443,13 +449,19 @@ fn streamed<B>(
 /// found done), and its next batch while the current one is opened and sent: the store's round
 /// trip overlaps the work on the parts already here. At most two batches and the feed's frames
 /// are held at once.
-async fn read(mut source: Source, mut feed: Feed, key: [u8; 32], name: String, writer: u64) {
+async fn read(
+    mut source: Source,
+    limit: Option<u64>,
+    mut feed: Feed,
+    key: [u8; 32],
+    name: String,
+    writer: u64,
+) {
     let sealer = Sealer::new(&key, &name);
     let mut next = 1u64;
     let mut len = 0u64;
-    // The announced length: no chunk may take the body past it (the server would cut the
-    // body there, and the client would see a complete response).
-    let limit = source.length();
+    // `limit`, the announced length: no chunk may take the body past it (the server would cut
+    // the body there, and the client would see a complete response).
     // The next batch of a stored record, read ahead.
     let mut ahead: Option<Result<Vec<bytes::Bytes>, LockError>> = None;
     let outcome: Result<(), BoxError> = loop {

@@ -50,7 +50,7 @@ const PIECE: usize = 16 * 1024;
 /// Sends the response to the client and stores its outcome; `keep`: whether its body is kept.
 pub(crate) async fn tee<B, E>(
     run: Box<Run>,
-    parts: http::response::Parts,
+    mut parts: http::response::Parts,
     body: B,
     keep: bool,
     reply: oneshot::Sender<Finished<B, E>>,
@@ -58,6 +58,7 @@ pub(crate) async fn tee<B, E>(
     B: Body,
     B::Error: Into<BoxError>,
 {
+    crate::body::announce_exact(&mut parts, &body.size_hint());
     // What a server sends of the body: the record is the response the client gets.
     let body = Announced::new(body, &parts, run.head);
     let announced = body.left();

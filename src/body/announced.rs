@@ -44,6 +44,21 @@ pub(crate) fn announced_length(parts: &Parts) -> Option<u64> {
     length
 }
 
+/// Announces a body that knows its exact length (`hint`), under a head that announces none, with
+/// that length, as servers do (axum's routes and hyper write a `content-length` from an exact
+/// size hint): the first client gets the head it would get without the layer, the replay the
+/// same, and the body is held to it ([`Announced`]) as the server would hold it.
+pub(crate) fn announce_exact(parts: &mut Parts, hint: &SizeHint) {
+    if let Some(len) = hint.exact()
+        && !parts.headers.contains_key(http::header::CONTENT_LENGTH)
+        && announced_length(parts).is_none()
+    {
+        parts
+            .headers
+            .insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(len));
+    }
+}
+
 pin_project_lite::pin_project! {
     /// `inner`, held to `left` more bytes of data when its head announced a length.
     pub(crate) struct Announced<B> {

@@ -6,7 +6,7 @@ mod announced;
 mod request;
 mod response;
 
-pub(crate) use announced::Announced;
+pub(crate) use announced::{Announced, announce_exact};
 pub use request::RequestBody;
 pub(crate) use request::read_request;
 pub use response::ResponseBody;

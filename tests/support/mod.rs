@@ -384,6 +384,47 @@ fn routes() -> Router<Probe> {
         .route("/decide", post(decide))
         .route("/stream", post(stream))
         .route("/download", post(download))
+        .route("/sized", post(sized))
+}
+
+#[derive(serde::Deserialize)]
+struct SizedQuery {
+    len: usize,
+    /// How many bytes more (or fewer) than it has the body says it has.
+    #[serde(default)]
+    off: i64,
+}
+
+/// `len` bytes in one frame, in a body whose size hint says it has exactly `len + off` and no
+/// `content-length` header: servers announce such a hint as the length (axum's routes and
+/// hyper both do).
+async fn sized(State(p): State<Probe>, Query(q): Query<SizedQuery>) -> Response {
+    p.enter().await;
+    let hint = (q.len as u64).saturating_add_signed(q.off);
+    let data = Some(Bytes::from(vec![b'x'; q.len]));
+    Body::new(Hinted { data, hint }).into_response()
+}
+
+/// A body of one frame with an exact size hint of its own (see [`sized`]).
+struct Hinted {
+    data: Option<Bytes>,
+    hint: u64,
+}
+
+impl http_body::Body for Hinted {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        std::task::Poll::Ready(self.data.take().map(|d| Ok(http_body::Frame::data(d))))
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.hint)
+    }
 }
 
 #[derive(serde::Deserialize)]
