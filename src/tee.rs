@@ -103,12 +103,15 @@ pub(crate) async fn tee<B, E>(
     // Streamed: the head goes out now, the frames as they come.
     let status = parts.status;
     let headers = parts.headers.clone();
+    // More header values than a record holds: the outcome is stored without the body.
+    let vary = complete::negotiated(&headers, &run.negotiated);
+    let keep = keep && run.head(Kind::Response, status, &headers, &vary).fits();
     // A detached execution runs at its own pace: a client that stops reading is given up after
     // the stall timeout. A cancellable one is driven by the client's reading; a body that will
-    // not be kept (opted out, or announced over the record limit) is never given up (see
-    // `Sink::patience`).
+    // not be kept (opted out, its head too large, announced over the record limit or over it
+    // in what was read already) is never given up (see `Sink::patience`).
     let limit = run.config.record_limit as u64;
-    let patient = !keep || announced.is_some_and(|len| len > limit);
+    let patient = !keep || announced.is_some_and(|len| len > limit) || early_len as u64 > limit;
     let stall = (!patient && !run.config.cancel_on_disconnect).then_some(run.config.stall_timeout);
     let (mut feed, mut live) = Feed::channel(stall);
     live.storing(announced);
@@ -140,7 +143,7 @@ pub(crate) async fn tee<B, E>(
             break;
         }
     }
-    let mut sink = Sink::open(&run, status, &headers, keep).await;
+    let mut sink = Sink::open(&run, status, &headers, &vary, keep).await;
     for frame in early {
         sink.add(&run, frame).await;
     }
@@ -234,12 +237,14 @@ enum Mode {
 
 impl Sink {
     /// Starts keeping the body of a streamed response; on a store that streams, appends its head.
-    async fn open(run: &Run, status: StatusCode, headers: &HeaderMap, keep: bool) -> Sink {
+    async fn open(
+        run: &Run,
+        status: StatusCode,
+        headers: &HeaderMap,
+        vary: &HeaderMap,
+        keep: bool,
+    ) -> Sink {
         let config = &run.config;
-        let vary = complete::negotiated(headers, &run.negotiated);
-        let head = run.head(Kind::Response, status, headers, &vary);
-        // More header values than a record holds: the outcome is stored without the body.
-        let keep = keep && head.fits();
         let mut sink = Sink {
             // Not kept: nothing of it is, even a body without data (whose outcome would
             // otherwise be stored as a response with an empty body).
@@ -254,7 +259,9 @@ impl Sink {
             trailers: None,
         };
         if keep && config.store.client().supports_streaming() {
-            let head = run.sealer().seal_head(&head);
+            let head = run
+                .sealer()
+                .seal_head(&run.head(Kind::Response, status, headers, vary));
             sink.mode = Mode::Parts {
                 buffer: Sealer::chunk_buffer(config.chunk_size),
                 chunk: config.chunk_size,

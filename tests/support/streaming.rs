@@ -128,8 +128,17 @@ async fn tokens(State(t): State<Tokens>, Query(q): Query<TokensQuery>) -> Respon
 async fn download(State(t): State<Tokens>, Query(q): Query<DownloadQuery>) -> Response {
     t.runs.fetch_add(1, Ordering::SeqCst);
     static CHUNK: [u8; 64 * 1024] = [b'x'; 64 * 1024];
+    let chunks: Vec<Bytes> = if q.one_frame {
+        vec![Bytes::from(vec![b'x'; q.mib << 20])]
+    } else {
+        (0..q.mib * 16)
+            .map(|_| Bytes::from_static(&CHUNK))
+            .collect()
+    };
     let chunks = futures_util::stream::iter(
-        (0..q.mib * 16).map(|_| Ok::<_, Infallible>(Frame::data(Bytes::from_static(&CHUNK)))),
+        chunks
+            .into_iter()
+            .map(|c| Ok::<_, Infallible>(Frame::data(c))),
     );
     let mut response = Body::new(StreamBody::new(chunks)).into_response();
     if q.not_kept {
@@ -151,6 +160,9 @@ pub struct DownloadQuery {
     /// Announce the length (`content-length`) instead of a chunked body.
     #[serde(default)]
     length: bool,
+    /// The whole body in one frame (with no size hint: a stream's).
+    #[serde(default)]
+    one_frame: bool,
 }
 
 pub fn app(
