@@ -33,8 +33,6 @@ pub(crate) struct Run {
     pub(crate) negotiated: http::HeaderMap,
     /// The request's span, entered again while the outcome is stored.
     pub(crate) span: tracing::Span,
-    /// A `HEAD` request (if the layer covers it): its response is sent without a body.
-    pub(crate) head: bool,
 }
 
 /// What to do with a request.
@@ -230,7 +228,6 @@ where
                 guard.guard().lease(),
                 decision.clone(),
             ));
-            let head = parts.method == http::Method::HEAD;
             Decision::Run {
                 request: Request::from_parts(parts, RequestBody::buffered(read)),
                 run: Some(Box::new(Run {
@@ -241,7 +238,6 @@ where
                     decision,
                     negotiated,
                     span,
-                    head,
                 })),
             }
         }

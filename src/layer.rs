@@ -501,6 +501,7 @@ impl IdempotencyLayerBuilder {
     }
 
     /// The methods covered (default POST and PATCH); other methods pass through untouched.
+    /// `HEAD` is refused at build: it is safe, and answered without a body.
     ///
     /// ```
     /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
@@ -883,6 +884,13 @@ impl IdempotencyLayerBuilder {
         if self.methods.is_empty() {
             return invalid("methods", "no method is covered: list at least one".into());
         }
+        if self.methods.contains(&Method::HEAD) {
+            return invalid(
+                "methods",
+                "HEAD is safe (RFC 9110) and answered without a body: a record of it could not                  replay its length; leave it uncovered"
+                    .into(),
+            );
+        }
         if self.body_limit == 0 {
             return invalid("body_limit", "must be above zero".into());
         }
@@ -1059,6 +1067,7 @@ mod tests {
     fn refuses_options_that_cannot_work() {
         let cases: Vec<(IdempotencyLayerBuilder, &str)> = vec![
             (base().methods([]), "methods"),
+            (base().methods([Method::POST, Method::HEAD]), "methods"),
             (base().body_limit(0), "body_limit"),
             (base().record_limit(0), "record_limit"),
             (base().record_limit(MAX_RECORD_LIMIT + 1), "record_limit"),

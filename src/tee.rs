@@ -60,7 +60,7 @@ pub(crate) async fn tee<B, E>(
 {
     crate::body::announce_exact(&mut parts, &body.size_hint());
     // What a server sends of the body: the record is the response the client gets.
-    let body = Announced::new(body, &parts, run.head);
+    let body = Announced::new(body, &parts);
     let announced = body.left();
     let mut body = pin!(body);
     let mut early: Vec<Frame<Bytes>> = Vec::new();

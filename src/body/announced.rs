@@ -19,7 +19,7 @@ use super::BoxError;
 
 /// The body length the head of a response announces: 0 for a status without a body (204,
 /// 304, 1xx), the `content-length` if it has one, else none (chunked or until the connection
-/// ends). (The response to a `HEAD` request has none either: see [`Announced::new`].)
+/// ends). (The layer never covers `HEAD` requests.)
 pub(crate) fn announced_length(parts: &Parts) -> Option<u64> {
     let bodiless = parts.status.is_informational()
         || parts.status == http::StatusCode::NO_CONTENT
@@ -75,16 +75,11 @@ impl<B> Announced<B> {
         self.left
     }
 
-    /// `inner` as it is sent in the response whose head is `parts`, to a `HEAD` request when
-    /// `head` (no body at all, whatever the head announces).
-    pub(crate) fn new(inner: B, parts: &Parts, head: bool) -> Self {
+    /// `inner` as it is sent in the response whose head is `parts`.
+    pub(crate) fn new(inner: B, parts: &Parts) -> Self {
         Announced {
             inner,
-            left: if head {
-                Some(0)
-            } else {
-                announced_length(parts)
-            },
+            left: announced_length(parts),
             ended: false,
         }
     }
@@ -191,20 +186,20 @@ mod tests {
 
     #[tokio::test]
     async fn a_body_is_held_to_the_announced_length() {
-        let exact = Announced::new(body(&["abc", "def"]), &parts(200, Some(6)), false);
+        let exact = Announced::new(body(&["abc", "def"]), &parts(200, Some(6)));
         assert_eq!(read(exact).await.unwrap(), "abcdef");
         // Longer: cut where a server stops sending, what follows never read as data.
-        let long = Announced::new(body(&["abc", "def", "ghi"]), &parts(200, Some(4)), false);
+        let long = Announced::new(body(&["abc", "def", "ghi"]), &parts(200, Some(4)));
         assert_eq!(read(long).await.unwrap(), "abcd");
         // Shorter: an error where a server aborts the response.
-        let short = Announced::new(body(&["abc"]), &parts(200, Some(5)), false);
+        let short = Announced::new(body(&["abc"]), &parts(200, Some(5)));
         let error = read(short).await.unwrap_err();
         assert!(error.contains("2 bytes short"), "{error}");
         // Not announced: as it comes.
-        let chunked = Announced::new(body(&["abc", "def"]), &parts(200, None), false);
+        let chunked = Announced::new(body(&["abc", "def"]), &parts(200, None));
         assert_eq!(read(chunked).await.unwrap(), "abcdef");
         // A status without a body sends none.
-        let empty = Announced::new(body(&["abc"]), &parts(204, None), false);
+        let empty = Announced::new(body(&["abc"]), &parts(204, None));
         assert_eq!(read(empty).await.unwrap(), "");
         // At the announced length the body is not read on: not waited for when it pauses
         // (or never ends), not drained when it has more ready, and an error after it is not
@@ -214,19 +209,19 @@ mod tests {
             Bytes::from_static(b"abc"),
         ))])
         .chain(futures_util::stream::pending());
-        let paused = Announced::new(StreamBody::new(then_nothing), &parts(200, Some(3)), false);
+        let paused = Announced::new(StreamBody::new(then_nothing), &parts(200, Some(3)));
         let read_paused = tokio::time::timeout(std::time::Duration::from_secs(5), read(paused));
         assert_eq!(read_paused.await.expect("not waited for").unwrap(), "abc");
         let endless = StreamBody::new(futures_util::stream::repeat_with(|| {
             Ok::<_, BoxError>(Frame::data(Bytes::from_static(b"x")))
         }));
-        let endless = Announced::new(endless, &parts(200, Some(2)), false);
+        let endless = Announced::new(endless, &parts(200, Some(2)));
         assert_eq!(read(endless).await.unwrap(), "xx");
         let failing = StreamBody::new(futures_util::stream::iter([
             Ok::<_, BoxError>(Frame::data(Bytes::from_static(b"abc"))),
             Err("after the end".into()),
         ]));
-        let failing = Announced::new(failing, &parts(200, Some(3)), false);
+        let failing = Announced::new(failing, &parts(200, Some(3)));
         assert_eq!(read(failing).await.unwrap(), "abc");
         // A malformed or disputed length cuts nothing.
         for values in [&["+3"][..], &["3", "4"], &["x"]] {
@@ -237,8 +232,5 @@ mod tests {
             }
             assert_eq!(announced_length(&head), None, "{values:?}");
         }
-        // Nor the response to a HEAD request, whatever its head announces.
-        let head = Announced::new(body(&["abc"]), &parts(200, Some(3)), true);
-        assert_eq!(read(head).await.unwrap(), "");
     }
 }
