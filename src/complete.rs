@@ -2,6 +2,7 @@
 //! lease is still ours), or release without storing. A small response is stored whole; a
 //! streamed one was appended part by part ([`crate::tee`]) and is ended here.
 
+use std::borrow::Cow;
 use std::future::{Future, poll_fn};
 use std::pin::pin;
 use std::task::Poll;
@@ -14,6 +15,7 @@ use crate::begin::Run;
 use crate::metrics::{Event, count, store_latency};
 use crate::outcome::UnknownOutcome;
 use crate::record::{self, EncodeHead, Kind, Part, Sealer};
+use crate::replay;
 
 impl Run {
     /// The cipher of this execution's record.
@@ -89,6 +91,8 @@ pub(crate) fn whole(
 ) -> Vec<u8> {
     let vary = negotiated(headers, &run.negotiated);
     let mut head = run.head(Kind::Response, status, headers, &vary);
+    let kept = stored_trailers(run, trailers);
+    let trailers = kept.as_deref();
     // A response with more header values than a record holds is not kept either: a replay
     // must not miss any.
     let body = body.filter(|_| head.fits() && record::fits(trailers));
@@ -107,6 +111,22 @@ pub(crate) fn whole(
     };
     run.sealer()
         .seal_whole(&head, body.unwrap_or_default(), trailers)
+}
+
+/// The trailers stored with a response (see [`replay::keeps_trailer`]): no copy when all are.
+fn stored_trailers<'a>(run: &Run, trailers: Option<&'a HeaderMap>) -> Option<Cow<'a, HeaderMap>> {
+    let trailers = trailers?;
+    let keep = |name: &HeaderName| replay::keeps_trailer(&run.config, name);
+    if trailers.keys().all(keep) {
+        return Some(Cow::Borrowed(trailers));
+    }
+    let mut kept = HeaderMap::new();
+    for name in trailers.keys().filter(|name| keep(name)) {
+        for value in trailers.get_all(name) {
+            kept.append(name.clone(), value.clone());
+        }
+    }
+    Some(Cow::Owned(kept))
 }
 
 /// The trailers kept with an outcome stored without its body: `grpc-status` alone (a gRPC
@@ -144,7 +164,12 @@ pub(crate) async fn end(
     } else {
         outcome_trailers(trailers)
     };
-    let ended = if kept { trailers } else { outcome.as_ref() };
+    let stored = stored_trailers(&run, trailers);
+    let ended = if kept {
+        stored.as_deref()
+    } else {
+        outcome.as_ref()
+    };
     let record = run
         .sealer()
         .seal_end(index, run.guard.fence(), kept, len, ended);

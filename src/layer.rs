@@ -809,7 +809,10 @@ impl IdempotencyLayerBuilder {
         self
     }
 
-    /// Which response headers are stored and replayed (default [`ReplayHeaders::default_deny`]).
+    /// Which response headers are stored and replayed (default [`ReplayHeaders::default_deny`]),
+    /// trailers included; a gRPC call's status trailers (`grpc-status`, `grpc-message`,
+    /// `grpc-status-details-bin`) are kept whatever it says. The policy in force at replay
+    /// applies too, to what was stored under an earlier one.
     ///
     /// ```
     /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())

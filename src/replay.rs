@@ -289,7 +289,8 @@ fn replay_whole<B>(
     }
     let response = match record.head.kind {
         Kind::Response => {
-            let trailers = (!record.trailers.is_empty()).then_some(record.trailers);
+            let trailers = kept_trailers(config, record.trailers);
+            let trailers = (!trailers.is_empty()).then_some(trailers);
             let mut response = Response::new(ResponseBody::full(record.body, trailers));
             *response.status_mut() = record.head.status;
             *response.headers_mut() = kept_headers(config, record.head.headers);
@@ -308,7 +309,23 @@ fn replay_whole<B>(
 
 /// The header policy in force now applies to what was stored under an earlier one.
 fn kept_headers(config: &Config, headers: HeaderMap) -> HeaderMap {
-    if headers.keys().all(|name| config.replay_headers.keeps(name)) {
+    filtered(headers, |name| config.replay_headers.keeps(name))
+}
+
+/// Whether a trailer is stored and replayed: those the header policy keeps, and a gRPC call's
+/// status fields whatever it says (they are the call's outcome).
+pub(crate) fn keeps_trailer(config: &Config, name: &HeaderName) -> bool {
+    config.replay_headers.keeps(name) || GRPC_STATUS.contains(name)
+}
+
+/// The trailers of a stored response that are replayed (see [`keeps_trailer`]).
+fn kept_trailers(config: &Config, trailers: HeaderMap) -> HeaderMap {
+    filtered(trailers, |name| keeps_trailer(config, name))
+}
+
+/// `headers` without those `keep` refuses (no copy when it keeps them all).
+fn filtered(headers: HeaderMap, keep: impl Fn(&HeaderName) -> bool) -> HeaderMap {
+    if headers.keys().all(&keep) {
         return headers;
     }
     let mut kept = HeaderMap::with_capacity(headers.len());
@@ -318,7 +335,7 @@ fn kept_headers(config: &Config, headers: HeaderMap) -> HeaderMap {
             last = Some(name);
         }
         if let Some(name) = &last
-            && config.replay_headers.keeps(name)
+            && keep(name)
         {
             kept.append(name.clone(), value);
         }
@@ -362,7 +379,7 @@ fn not_kept<B>(config: &Config, head: Head, trailers: &HeaderMap) -> Response<Re
 }
 
 /// A gRPC call's status fields, which a rejection of its own replaces.
-const GRPC_STATUS: [HeaderName; 3] = [
+pub(crate) const GRPC_STATUS: [HeaderName; 3] = [
     HeaderName::from_static("grpc-status"),
     HeaderName::from_static("grpc-message"),
     HeaderName::from_static("grpc-status-details-bin"),
@@ -419,7 +436,7 @@ impl Source {
 
 /// A response whose body is read from the store part by part while the client reads it.
 fn streamed<B>(
-    config: &Config,
+    config: &Arc<Config>,
     head: Head,
     source: Source,
     key: &[u8; 32],
@@ -428,7 +445,13 @@ fn streamed<B>(
     // Driven by the body: a client that reads nothing holds nothing.
     let (feed, mut body) = Feed::channel(None);
     let length = source.length(&head);
-    let reading = read(source, length, feed, *key, name.to_owned(), head.fence);
+    let reading = read(
+        source,
+        length,
+        feed,
+        (config.clone(), *key, name.to_owned()),
+        head.fence,
+    );
     // The body drives the reading while the client reads; dropping it stops the reading.
     let _ = body.drive(Execution::cancellable(Box::pin(reading)));
     let mut response = Response::new(body);
@@ -453,8 +476,7 @@ async fn read(
     mut source: Source,
     limit: Option<u64>,
     mut feed: Feed,
-    key: [u8; 32],
-    name: String,
+    (config, key, name): (Arc<Config>, [u8; 32], String),
     writer: u64,
 ) {
     let sealer = Sealer::new(&key, &name);
@@ -532,6 +554,7 @@ async fn read(
         };
         match ended {
             Some(Ok(trailers)) => {
+                let trailers = kept_trailers(&config, trailers);
                 if !trailers.is_empty() {
                     feed.send(Message::Frame(Frame::trailers(trailers))).await;
                 }

@@ -765,6 +765,82 @@ async fn a_response_with_more_header_values_than_a_record_holds_is_stored_withou
     assert_eq!(runs.load(Ordering::SeqCst), cases.len());
 }
 
+/// The header policy applies to trailers too (a gRPC call's status fields excepted): a denied
+/// trailer is neither stored nor replayed, whole or streamed. Before, trailers were stored and
+/// replayed whatever the policy said (a session token a handler sent as a trailer went to
+/// whoever retried).
+#[tokio::test]
+async fn the_header_policy_applies_to_trailers() {
+    use axum::http::{HeaderMap, HeaderValue};
+    use http_body::Frame;
+    use tower::ServiceExt;
+    #[derive(serde::Deserialize)]
+    struct Case {
+        streamed: bool,
+    }
+    let handler = |axum::extract::Query(case): axum::extract::Query<Case>| async move {
+        let frames = futures_util::stream::unfold(0, move |i| async move {
+            let frame = match i {
+                0 => {
+                    if case.streamed {
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                    Frame::data(Bytes::from_static(b"done"))
+                }
+                1 => {
+                    let mut trailers = HeaderMap::new();
+                    trailers.insert("x-session-token", HeaderValue::from_static("secret"));
+                    trailers.insert("x-checksum", HeaderValue::from_static("abc"));
+                    trailers.insert("grpc-status", HeaderValue::from_static("0"));
+                    Frame::trailers(trailers)
+                }
+                _ => return None,
+            };
+            Some((Ok::<_, std::convert::Infallible>(frame), i + 1))
+        });
+        Body::new(http_body_util::StreamBody::new(frames))
+    };
+    let store = Store::memory();
+    let policy = ReplayHeaders::default_deny()
+        .and_deny(["x-session-token", "grpc-status"])
+        .unwrap();
+    let app = Router::new().route("/pay", post(handler)).layer(
+        builder(&store)
+            .global_keys()
+            .replay_headers(policy)
+            .build()
+            .unwrap(),
+    );
+    for streamed in [false, true] {
+        let path = format!("/pay?streamed={streamed}");
+        let key = format!("trailers-{streamed}");
+        let mut names = Vec::new();
+        for _ in 0..2 {
+            let response = app
+                .clone()
+                .oneshot(post_req(&path, Some(&key), ""))
+                .await
+                .unwrap();
+            let body = response.into_body().collect().await.unwrap();
+            let trailers = body.trailers().cloned().unwrap_or_default();
+            assert_eq!(body.to_bytes(), "done");
+            let mut got: Vec<_> = trailers.keys().map(|n| n.as_str().to_owned()).collect();
+            got.sort();
+            names.push(got);
+        }
+        assert_eq!(
+            names[0],
+            ["grpc-status", "x-checksum", "x-session-token"],
+            "the first client gets them all"
+        );
+        assert_eq!(
+            names[1],
+            ["grpc-status", "x-checksum"],
+            "streamed {streamed}: the replay"
+        );
+    }
+}
+
 /// tower-http's TraceLayer, TimeoutLayer and CompressionLayer around the layer.
 #[tokio::test]
 async fn tower_http_layers_around_the_layer() {
