@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use distlock::LockError;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use tracing::Instrument;
 
 use crate::begin::Run;
 use crate::metrics::{Event, count, store_latency};
@@ -223,8 +224,22 @@ pub(crate) fn joined(headers: &HeaderMap, name: &HeaderName) -> Option<HeaderVal
 }
 
 /// The handler started and its outcome cannot be known (`why`): record it or release the key,
-/// as the layer is configured.
-pub(crate) async fn unknown(run: Box<Run>, why: &str) {
+/// as the layer is configured. Never cancelled: a `cancel_on_disconnect` execution, cancelled
+/// with its client while the handler runs, records what the handler left in a task of its
+/// own (dropped on its way to the store, the record would be lost and the key released, and
+/// a retry would run the handler again).
+pub(crate) async fn unknown(run: Box<Run>, why: &'static str) {
+    if run.config.cancel_on_disconnect
+        && let Ok(runtime) = tokio::runtime::Handle::try_current()
+    {
+        let span = run.span.clone();
+        let _ = runtime.spawn(unknown_now(run, why).instrument(span)).await;
+        return;
+    }
+    unknown_now(run, why).await;
+}
+
+async fn unknown_now(run: Box<Run>, why: &str) {
     let fence = run.guard.fence();
     match run.config.unknown_outcome {
         UnknownOutcome::Release => {

@@ -797,3 +797,44 @@ async fn a_joiner_that_finds_the_record_stored_whole_replays_it() {
     assert_eq!(joined.status, StatusCode::GONE, "{joined:?}");
     assert_eq!(joined.problem(), "response-not-stored");
 }
+
+/// With `cancel_on_disconnect`, only the handler is cancellable: once it has returned (here it
+/// panicked), recording its unknown outcome goes on when the client leaves meanwhile. Before,
+/// the client's leaving dropped the record on its way to Redis, the lease was released, and
+/// the retry ran the handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_outcome_being_stored_is_not_cancelled_with_the_client() {
+    use support::within;
+    let server = RedisServer::start_owned().await;
+    let prefix = testkit::unique_prefix("cancel-unknown");
+    let hooked = testkit::HookedConnection::new(server.connection().await);
+    let lock_client = distlock::LockClient::builder()
+        .prefix(&prefix)
+        .unwrap()
+        .redis(hooked.clone())
+        .unwrap();
+    lock_client.prepare().await.unwrap();
+    let (app, probe) = app(&Store::from_client(lock_client), |b| {
+        b.cancel_on_disconnect(true)
+            .on_conflict(tower_idempotency::OnConflict::Wait(Duration::from_secs(10)))
+    });
+    let (hold, held) = tokio::sync::oneshot::channel::<()>();
+    hooked.before_sending(b"_complete", move || async move {
+        let _ = held.await;
+    });
+    let first = tokio::time::timeout(
+        Duration::from_millis(300),
+        send(&app, post_key("/panics", "p", "")),
+    )
+    .await;
+    assert!(
+        first.is_err(),
+        "the outcome's record is held: the client leaves first"
+    );
+    assert_eq!(probe.runs(), 1);
+    drop(hold);
+    let again = within("the retry", send(&app, post_key("/panics", "p", ""))).await;
+    assert_eq!(probe.runs(), 1, "ran again: {again:?}");
+    assert_eq!(again.status, StatusCode::INTERNAL_SERVER_ERROR, "{again:?}");
+    assert_eq!(again.problem(), "outcome-unknown");
+}
