@@ -42,5 +42,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let _ = tokio::signal::ctrl_c().await;
         })
         .await?;
+    // Handlers whose clients left run on: let them finish and store their outcomes.
+    if !store.drain(Duration::from_secs(30)).await {
+        eprintln!("requests still running at exit: their keys stay held until their leases end");
+    }
     Ok(())
 }

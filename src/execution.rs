@@ -25,18 +25,21 @@
 use std::any::Any;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::pin::Pin;
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::Context;
 
 use futures_util::FutureExt;
 use http::Response;
 use http_body::Body;
-use tokio::sync::oneshot;
+use tokio::sync::{Notify, oneshot};
 use tracing::Instrument;
 
 use crate::begin::Run;
 use crate::body::{BoxError, ResponseBody};
 use crate::complete;
+use crate::layer::Config;
 use crate::metrics::Event;
 use crate::{KeepBody, Outcome};
 
@@ -114,6 +117,54 @@ impl std::fmt::Debug for Execution {
     }
 }
 
+/// The protected executions of a layer that have not ended, whoever drives them (a response
+/// future, a body, a task of their own): what [`Store::drain`](crate::Store::drain) waits for.
+#[derive(Debug, Default)]
+pub(crate) struct Executions {
+    live: AtomicUsize,
+    ended: Notify,
+}
+
+impl Executions {
+    /// Waits until none is live.
+    pub(crate) async fn none_live(&self) {
+        loop {
+            let ended = self.ended.notified();
+            let mut ended = pin!(ended);
+            // Registered before the count is read: an end in between wakes it.
+            ended.as_mut().enable();
+            if self.live.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            ended.await;
+        }
+    }
+}
+
+/// An execution counted as live until this is dropped (with the execution's future: it ended,
+/// or it was cancelled).
+struct Live(Arc<Config>);
+
+impl Live {
+    fn new(config: &Arc<Config>) -> Self {
+        config
+            .store
+            .executions()
+            .live
+            .fetch_add(1, Ordering::AcqRel);
+        Live(config.clone())
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        let executions = self.0.store.executions();
+        if executions.live.fetch_sub(1, Ordering::AcqRel) == 1 {
+            executions.ended.notify_waiters();
+        }
+    }
+}
+
 /// A started execution: its result, and the execution to drive.
 pub(crate) struct Started<B, E> {
     pub(crate) result: oneshot::Receiver<Finished<B, E>>,
@@ -139,7 +190,8 @@ where
         Some(tokio::runtime::Handle::try_current().ok()?)
     };
     let span = run.span.clone();
-    let execution = execute(future, run, reply);
+    let live = Live::new(&run.config);
+    let execution = execute(future, run, reply, live);
     let driver: Driver = if span.is_disabled() {
         Box::pin(execution)
     } else {
@@ -154,8 +206,12 @@ where
     })
 }
 
-async fn execute<F, B, E>(future: F, run: Box<Run>, reply: oneshot::Sender<Finished<B, E>>)
-where
+async fn execute<F, B, E>(
+    future: F,
+    run: Box<Run>,
+    reply: oneshot::Sender<Finished<B, E>>,
+    _live: Live,
+) where
     F: Future<Output = Result<Response<B>, E>>,
     B: Body,
     B::Error: Into<BoxError>,

@@ -328,6 +328,23 @@ impl IdempotencyLayer {
     pub(crate) fn config(&self) -> &Arc<Config> {
         &self.config
     }
+
+    /// Waits, at most `within`, until every protected execution of the layers on this layer's
+    /// store has ended and its outcome is stored: [`Store::drain`]. Returns whether it all
+    /// finished. Call it once the server has stopped, before the process exits.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_idempotency::ConfigError> {
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyLayer, Store};
+    /// let layer = IdempotencyLayer::builder(Store::memory()).global_keys().build()?;
+    /// assert!(layer.drain(Duration::from_secs(1)).await, "nothing runs");
+    /// # Ok(()) }
+    /// ```
+    pub async fn drain(&self, within: Duration) -> bool {
+        self.config.store.drain(within).await
+    }
 }
 
 impl<S> Layer<S> for IdempotencyLayer {
@@ -950,7 +967,9 @@ impl IdempotencyLayerBuilder {
             );
         }
         let store = match self.lease {
-            Some(config) => Store::from_client(self.store.client().with_config(config)?),
+            Some(config) => self
+                .store
+                .with_client(self.store.client().with_config(config)?),
             None => self.store,
         };
         let streaming = store.client().supports_streaming();

@@ -6,7 +6,12 @@
 //! `idem:{<sha256>}:state` (fencing counter, in-flight fingerprint, stored record): one hash slot,
 //! so the same code runs on Redis Cluster.
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use distlock::{ConfigError, LockClient, MemoryLimits};
+
+use crate::execution::Executions;
 
 /// The key prefix of the layer's store entries.
 pub const DEFAULT_PREFIX: &str = "idem";
@@ -26,6 +31,8 @@ pub const DEFAULT_PREFIX: &str = "idem";
 #[derive(Debug, Clone)]
 pub struct Store {
     client: LockClient,
+    /// The protected executions of every layer on this store (and its clones) still running.
+    executions: Arc<Executions>,
 }
 
 impl Store {
@@ -59,12 +66,12 @@ impl Store {
     /// let store = tower_idempotency::Store::memory_with(limits);
     /// ```
     pub fn memory_with(limits: MemoryLimits) -> Self {
-        Store {
-            client: LockClient::builder()
+        Self::from_client(
+            LockClient::builder()
                 .prefix(DEFAULT_PREFIX)
                 .expect("the default prefix is valid")
                 .memory(limits),
-        }
+        )
     }
 
     /// Redis at `url`, shared by every instance of the service. Must be called inside a Tokio
@@ -80,9 +87,9 @@ impl Store {
     /// # }
     /// ```
     pub fn redis(url: &str) -> Result<Self, ConfigError> {
-        Ok(Store {
-            client: LockClient::builder().prefix(DEFAULT_PREFIX)?.connect(url)?,
-        })
+        Ok(Self::from_client(
+            LockClient::builder().prefix(DEFAULT_PREFIX)?.connect(url)?,
+        ))
     }
 
     /// A store on a lock client you built (a cluster or Sentinel connection, another prefix).
@@ -92,7 +99,62 @@ impl Store {
     /// let store = tower_idempotency::Store::from_client(client);
     /// ```
     pub fn from_client(client: LockClient) -> Self {
-        Store { client }
+        Store {
+            client,
+            executions: Arc::default(),
+        }
+    }
+
+    /// This store on `client` (the same client with another configuration), still counting
+    /// the executions of the layers on this one.
+    pub(crate) fn with_client(&self, client: LockClient) -> Self {
+        Store {
+            client,
+            executions: self.executions.clone(),
+        }
+    }
+
+    /// The protected executions running on this store.
+    pub(crate) fn executions(&self) -> &Executions {
+        &self.executions
+    }
+
+    /// Waits, at most `within`, until every protected execution of the layers on this store
+    /// (built on it or on a clone of it) has ended, its outcome stored, and the lock client's
+    /// background work after them is done (see [`LockClient::settle`]). Returns whether it all
+    /// finished.
+    ///
+    /// Call it once the server has stopped, before the process exits: a graceful shutdown
+    /// waits for connections, and a handler whose client left runs on in a task of its own,
+    /// which the runtime going away would drop mid-handler (its work perhaps done, its outcome
+    /// not stored, its key held until the lease ends; the retry would run it again).
+    ///
+    /// ```no_run
+    /// # #[tokio::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use axum::{Router, routing::post};
+    /// use tower_idempotency::{IdempotencyLayer, Store};
+    ///
+    /// async fn pay() -> &'static str { "paid" }
+    ///
+    /// let store = Store::memory();
+    /// let layer = IdempotencyLayer::builder(store.clone()).global_keys().build()?;
+    /// let app: Router = Router::new().route("/pay", post(pay)).layer(layer);
+    /// let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    /// axum::serve(listener, app)
+    ///     .with_graceful_shutdown(async { let _ = tokio::signal::ctrl_c().await; })
+    ///     .await?;
+    /// if !store.drain(Duration::from_secs(30)).await {
+    ///     eprintln!("protected requests still running at exit");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn drain(&self, within: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        let ended = tokio::time::timeout_at(deadline, self.executions.none_live()).await;
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        ended.is_ok() && self.client.settle(left).await
     }
 
     /// The lock client underneath.

@@ -409,3 +409,89 @@ async fn the_client_leaves_while_the_completion_is_retried() {
         .unwrap();
     assert_replayed_once(&app, &payments, "retried").await;
 }
+
+/// The server stops (a graceful shutdown, as for a deploy) while a handler whose client left
+/// runs on in a task of its own: `IdempotencyLayer::drain` waits for it, so that its outcome is
+/// stored before the runtime goes away, and the retry, on a new instance, gets the replay.
+/// Without it the runtime's end drops the handler mid-run (the work perhaps done, nothing
+/// stored, the key held until its lease ends, and the retry then runs it again).
+#[test]
+fn drain_lets_what_runs_on_after_its_client_left_finish() {
+    use std::future::IntoFuture;
+    use tokio::io::AsyncWriteExt;
+    for on_redis in [false, true] {
+        let outer = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let server = on_redis.then(|| outer.block_on(RedisServer::start_owned()));
+        // Each runtime its own connection to the store (or the same in-memory store).
+        let memory = Store::memory();
+        let store = |rt: &tokio::runtime::Runtime| match &server {
+            Some(server) => rt.block_on(async { Store::redis(&server.url()).unwrap() }),
+            None => memory.clone(),
+        };
+        let serving = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let payments = Payments::gated();
+        let layer = IdempotencyLayer::builder(store(&serving))
+            .global_keys()
+            .build()
+            .unwrap();
+        let router = Router::new()
+            .route("/pay", post(pay))
+            .layer(layer.clone())
+            .with_state(payments.clone());
+        let drained = serving.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let served = tokio::spawn(
+                axum::serve(listener, router)
+                    .with_graceful_shutdown(async {
+                        let _ = stopped.await;
+                    })
+                    .into_future(),
+            );
+            let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+            socket
+                .write_all(
+                    b"POST /pay HTTP/1.1\r\nhost: x\r\nidempotency-key: deploy\r\ncontent-length: 0\r\n\r\n",
+                )
+                .await
+                .unwrap();
+            payments.wait_started(1).await;
+            drop(socket);
+            let _ = stop.send(());
+            tokio::time::timeout(DEADLINE, served)
+                .await
+                .expect("the server stops once its connection is gone")
+                .unwrap()
+                .unwrap();
+            assert_eq!(payments.finished.load(Ordering::SeqCst), 0);
+            // The handler's work ends a moment after the server stopped.
+            let p = payments.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                p.open();
+            });
+            layer.drain(DEADLINE).await
+        });
+        assert!(drained, "redis {on_redis}: drained within the deadline");
+        drop(serving);
+        assert_eq!(
+            payments.finished.load(Ordering::SeqCst),
+            1,
+            "redis {on_redis}: the handler ran to its end"
+        );
+        // A new instance on the same store.
+        let retry_store = store(&outer);
+        outer.block_on(async {
+            let app = app(&retry_store, &payments);
+            assert_replayed_once(&app, &payments, "deploy").await;
+        });
+    }
+}
