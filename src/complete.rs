@@ -13,6 +13,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use tracing::Instrument;
 
 use crate::begin::Run;
+use crate::execution::Live;
 use crate::metrics::{Event, count, store_latency};
 use crate::outcome::UnknownOutcome;
 use crate::record::{self, EncodeHead, Kind, Part, Sealer};
@@ -233,7 +234,13 @@ pub(crate) async fn unknown(run: Box<Run>, why: &'static str) {
         && let Ok(runtime) = tokio::runtime::Handle::try_current()
     {
         let span = run.span.clone();
-        let _ = runtime.spawn(unknown_now(run, why).instrument(span)).await;
+        // The task is an execution that `Store::drain` waits for, whatever becomes of this one.
+        let live = Live::new(&run.config);
+        let recording = async move {
+            let _live = live;
+            unknown_now(run, why).await;
+        };
+        let _ = runtime.spawn(recording.instrument(span)).await;
         return;
     }
     unknown_now(run, why).await;

@@ -142,11 +142,11 @@ impl Executions {
 }
 
 /// An execution counted as live until this is dropped (with the execution's future: it ended,
-/// or it was cancelled).
-struct Live(Arc<Config>);
+/// or it was cancelled; or with a task it handed its outcome to).
+pub(crate) struct Live(Arc<Config>);
 
 impl Live {
-    fn new(config: &Arc<Config>) -> Self {
+    pub(crate) fn new(config: &Arc<Config>) -> Self {
         config
             .store
             .executions()

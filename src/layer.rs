@@ -907,7 +907,8 @@ impl IdempotencyLayerBuilder {
         if self.methods.contains(&Method::HEAD) {
             return invalid(
                 "methods",
-                "HEAD is safe (RFC 9110) and answered without a body: a record of it could not                  replay its length; leave it uncovered"
+                "HEAD is safe (RFC 9110) and answered without a body: a record of it could not \
+                 replay its length; leave it uncovered"
                     .into(),
             );
         }
@@ -990,7 +991,10 @@ impl IdempotencyLayerBuilder {
             return invalid(
                 "record_limit",
                 format!(
-                    "{record_limit} is over a quarter of the in-memory store's bytes ({cap}):                      making room for a record that large, part by part as it streams, would                      evict most stored outcomes, also for one that ends up not kept; raise                      MemoryLimits or lower the limit"
+                    "{record_limit} is over a quarter of the in-memory store's bytes ({cap}): \
+                     making room for a record that large, part by part as it streams, would \
+                     evict most stored outcomes, also for one that ends up not kept; raise \
+                     MemoryLimits or lower the limit"
                 ),
             );
         }

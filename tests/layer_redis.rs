@@ -814,7 +814,8 @@ async fn an_unknown_outcome_being_stored_is_not_cancelled_with_the_client() {
         .redis(hooked.clone())
         .unwrap();
     lock_client.prepare().await.unwrap();
-    let (app, probe) = app(&Store::from_client(lock_client), |b| {
+    let store = Store::from_client(lock_client);
+    let (app, probe) = app(&store, |b| {
         b.cancel_on_disconnect(true)
             .on_conflict(tower_idempotency::OnConflict::Wait(Duration::from_secs(10)))
     });
@@ -832,7 +833,17 @@ async fn an_unknown_outcome_being_stored_is_not_cancelled_with_the_client() {
         "the outcome's record is held: the client leaves first"
     );
     assert_eq!(probe.runs(), 1);
+    // A shutdown now waits for the record (before: `drain` saw no execution left once the
+    // client's had gone, and the process could exit with the record unsent).
+    assert!(
+        !store.drain(Duration::from_millis(300)).await,
+        "drained with the outcome's record still held"
+    );
     drop(hold);
+    assert!(
+        store.drain(Duration::from_secs(10)).await,
+        "drained once it is stored"
+    );
     let again = within("the retry", send(&app, post_key("/panics", "p", ""))).await;
     assert_eq!(probe.runs(), 1, "ran again: {again:?}");
     assert_eq!(again.status, StatusCode::INTERNAL_SERVER_ERROR, "{again:?}");

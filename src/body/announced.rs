@@ -49,8 +49,10 @@ pub(crate) fn announced_length(parts: &Parts) -> Option<u64> {
 /// size hint): the first client gets the head it would get without the layer, the replay the
 /// same, and the body is held to it ([`Announced`]) as the server would hold it.
 pub(crate) fn announce_exact(parts: &mut Parts, hint: &SizeHint) {
+    // A head with a transfer coding announces no length (hyper refuses one next to it).
     if let Some(len) = hint.exact()
         && !parts.headers.contains_key(http::header::CONTENT_LENGTH)
+        && !parts.headers.contains_key(http::header::TRANSFER_ENCODING)
         && announced_length(parts).is_none()
     {
         parts
