@@ -25,12 +25,15 @@ impl Run {
         Sealer::new(&self.record_key, self.guard.guard().name())
     }
 
-    /// The head of this execution's record for a response (`vary`: see [`negotiated`]).
+    /// The head of this execution's record for a response (`vary`: see [`negotiated`]). A
+    /// `streamed` head keeps the announced length too, whatever the policy: a duplicate joining
+    /// the body as it is written announces it (a replay of a complete record sets it from what
+    /// it replays, so a whole record does not store it).
     pub(crate) fn head<'a>(
         &'a self,
         kind: Kind,
         status: StatusCode,
-        headers: &'a HeaderMap,
+        (headers, streamed): (&'a HeaderMap, bool),
         vary: &'a HeaderMap,
     ) -> EncodeHead<'a, impl Fn(&HeaderName) -> bool + 'a> {
         EncodeHead {
@@ -39,10 +42,9 @@ impl Run {
             status,
             fence: self.guard.fence(),
             headers,
-            // The announced length too, whatever the policy: a duplicate joining the body as
-            // it is written announces it (a replay sets it from what it replays).
-            keep: |name: &HeaderName| {
-                name == header::CONTENT_LENGTH || self.config.replay_headers.keeps(name)
+            keep: move |name: &HeaderName| {
+                (streamed && name == header::CONTENT_LENGTH)
+                    || self.config.replay_headers.keeps(name)
             },
             vary,
         }
@@ -55,7 +57,7 @@ impl Run {
             &self.head(
                 Kind::Unknown,
                 StatusCode::INTERNAL_SERVER_ERROR,
-                &none,
+                (&none, false),
                 &none,
             ),
             &[],
@@ -92,7 +94,7 @@ pub(crate) fn whole(
     trailers: Option<&HeaderMap>,
 ) -> Vec<u8> {
     let vary = negotiated(headers, &run.negotiated);
-    let mut head = run.head(Kind::Response, status, headers, &vary);
+    let mut head = run.head(Kind::Response, status, (headers, false), &vary);
     let kept = stored_trailers(run, trailers);
     let trailers = kept.as_deref();
     // A response with more header values than a record holds is not kept either: a replay
@@ -313,7 +315,7 @@ fn replacement(run: &Run, refused: &[u8], instead: Instead<'_>) -> Option<(Vec<u
 fn without_body(run: &Run, refused: &[u8], instead: Instead<'_>) -> Option<Vec<u8>> {
     let seal = |status, headers: &HeaderMap, vary: &HeaderMap, trailers| {
         run.sealer().seal_whole(
-            &run.head(Kind::BodyNotKept, status, headers, vary),
+            &run.head(Kind::BodyNotKept, status, (headers, false), vary),
             &[],
             outcome_trailers(trailers).as_ref(),
         )

@@ -105,7 +105,10 @@ pub(crate) async fn tee<B, E>(
     let headers = parts.headers.clone();
     // More header values than a record holds: the outcome is stored without the body.
     let vary = complete::negotiated(&headers, &run.negotiated);
-    let keep = keep && run.head(Kind::Response, status, &headers, &vary).fits();
+    let keep = keep
+        && run
+            .head(Kind::Response, status, (&headers, true), &vary)
+            .fits();
     // A detached execution runs at its own pace: a client that stops reading is given up after
     // the stall timeout. A cancellable one is driven by the client's reading; a body that will
     // not be kept (opted out, its head too large, announced over the record limit or over it
@@ -259,9 +262,9 @@ impl Sink {
             trailers: None,
         };
         if keep && config.store.client().supports_streaming() {
-            let head = run
-                .sealer()
-                .seal_head(&run.head(Kind::Response, status, headers, vary));
+            let head =
+                run.sealer()
+                    .seal_head(&run.head(Kind::Response, status, (headers, true), vary));
             sink.mode = Mode::Parts {
                 buffer: Sealer::chunk_buffer(config.chunk_size),
                 chunk: config.chunk_size,
