@@ -117,20 +117,9 @@ pub(crate) fn whole(
         .seal_whole(&head, body.unwrap_or_default(), trailers)
 }
 
-/// The trailers stored with a response (see [`replay::keeps_trailer`]): no copy when all are.
+/// The trailers stored with a response ([`replay::kept_trailers`]).
 fn stored_trailers<'a>(run: &Run, trailers: Option<&'a HeaderMap>) -> Option<Cow<'a, HeaderMap>> {
-    let trailers = trailers?;
-    let keep = |name: &HeaderName| replay::keeps_trailer(&run.config, name);
-    if trailers.keys().all(keep) {
-        return Some(Cow::Borrowed(trailers));
-    }
-    let mut kept = HeaderMap::new();
-    for name in trailers.keys().filter(|name| keep(name)) {
-        for value in trailers.get_all(name) {
-            kept.append(name.clone(), value.clone());
-        }
-    }
-    Some(Cow::Owned(kept))
+    Some(replay::kept_trailers(&run.config, Cow::Borrowed(trailers?)))
 }
 
 /// The trailers kept with an outcome stored without its body: `grpc-status` alone (a gRPC

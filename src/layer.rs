@@ -602,8 +602,9 @@ impl IdempotencyLayerBuilder {
     /// which hold one chunk of it in memory at a time; 1 MiB on Redlock, which keeps it in
     /// memory and stores it whole; on the in-memory store, a quarter of its
     /// [`max_bytes`](distlock::MemoryLimits::max_bytes) at most, 16 MiB by default, and more is
-    /// refused at build: it evicts the oldest outcomes to make room for a record as it streams). A larger response is still sent in full; its status,
-    /// headers and `grpc-status` trailer are stored without the body, and retries get a
+    /// refused at build: it evicts the oldest outcomes to make room for a record as it
+    /// streams). A larger response is still sent in full; its status, headers and
+    /// `grpc-status` trailer are stored without the body, and retries get a
     /// `response-not-stored` problem instead of running the handler again.
     ///
     /// ```

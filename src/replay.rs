@@ -5,6 +5,7 @@
 //! execution, the writer gone before its end, the store unreachable) breaks off with an error:
 //! the client sees an aborted body, never a complete short one.
 
+use std::borrow::Cow;
 use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -289,7 +290,7 @@ fn replay_whole<B>(
     }
     let response = match record.head.kind {
         Kind::Response => {
-            let trailers = kept_trailers(config, record.trailers);
+            let trailers = kept_trailers(config, Cow::Owned(record.trailers)).into_owned();
             let trailers = (!trailers.is_empty()).then_some(trailers);
             let mut response = Response::new(ResponseBody::full(record.body, trailers));
             *response.status_mut() = record.head.status;
@@ -309,38 +310,40 @@ fn replay_whole<B>(
 
 /// The header policy in force now applies to what was stored under an earlier one.
 fn kept_headers(config: &Config, headers: HeaderMap) -> HeaderMap {
-    filtered(headers, |name| config.replay_headers.keeps(name))
+    filtered(Cow::Owned(headers), |name| {
+        config.replay_headers.keeps(name)
+    })
+    .into_owned()
 }
 
 /// Whether a trailer is stored and replayed: those the header policy keeps, and a gRPC call's
 /// status fields whatever it says (they are the call's outcome).
-pub(crate) fn keeps_trailer(config: &Config, name: &HeaderName) -> bool {
+fn keeps_trailer(config: &Config, name: &HeaderName) -> bool {
     config.replay_headers.keeps(name) || GRPC_STATUS.contains(name)
 }
 
-/// The trailers of a stored response that are replayed (see [`keeps_trailer`]).
-fn kept_trailers(config: &Config, trailers: HeaderMap) -> HeaderMap {
+/// The trailers of a response that are stored and replayed (see [`keeps_trailer`]): no copy
+/// when all are.
+pub(crate) fn kept_trailers<'a>(
+    config: &Config,
+    trailers: Cow<'a, HeaderMap>,
+) -> Cow<'a, HeaderMap> {
     filtered(trailers, |name| keeps_trailer(config, name))
 }
 
 /// `headers` without those `keep` refuses (no copy when it keeps them all).
-fn filtered(headers: HeaderMap, keep: impl Fn(&HeaderName) -> bool) -> HeaderMap {
+fn filtered<'a>(
+    headers: Cow<'a, HeaderMap>,
+    keep: impl Fn(&HeaderName) -> bool,
+) -> Cow<'a, HeaderMap> {
     if headers.keys().all(&keep) {
         return headers;
     }
     let mut kept = HeaderMap::with_capacity(headers.len());
-    let mut last = None;
-    for (name, value) in headers {
-        if let Some(name) = name {
-            last = Some(name);
-        }
-        if let Some(name) = &last
-            && keep(name)
-        {
-            kept.append(name.clone(), value);
-        }
+    for (name, value) in headers.iter().filter(|(name, _)| keep(name)) {
+        kept.append(name.clone(), value.clone());
     }
-    kept
+    Cow::Owned(kept)
 }
 
 fn replayed<B>(mut response: Response<ResponseBody<B>>) -> Response<ResponseBody<B>> {
@@ -554,7 +557,7 @@ async fn read(
         };
         match ended {
             Some(Ok(trailers)) => {
-                let trailers = kept_trailers(&config, trailers);
+                let trailers = kept_trailers(&config, Cow::Owned(trailers)).into_owned();
                 if !trailers.is_empty() {
                     feed.send(Message::Frame(Frame::trailers(trailers))).await;
                 }
