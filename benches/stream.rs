@@ -13,6 +13,7 @@
 //! ```sh
 //! cargo bench --bench stream                 # 5 rounds
 //! BENCH_ROUNDS=9 cargo bench --bench stream
+//! cargo bench --bench stream -- --profile ttfb memory 2000   # one loop, for perf
 //! ```
 
 mod common;
@@ -207,6 +208,31 @@ async fn ping_rtt(mut conn: redis::aio::MultiplexedConnection, pause: Duration, 
     common::percentile_us(&mut samples, 50.0)
 }
 
+/// `--profile ttfb <none|memory|redis> <n>`: only the time-to-first-byte loop, `n` requests
+/// on one variant, for `perf stat` / `perf record` (prints the p50).
+fn profile(args: &[String], servers: &tokio::runtime::Runtime, client: &tokio::runtime::Runtime) {
+    let variant = args.get(1).map_or("memory", String::as_str);
+    let n: usize = args.get(2).and_then(|n| n.parse().ok()).unwrap_or(2_000);
+    let redis = (variant == "redis").then(|| client.block_on(RedisServer::start_owned()));
+    let store = match &redis {
+        None if variant == "none" => None,
+        None => Some(Store::memory_with(
+            distlock::MemoryLimits::new(100_000, 1 << 30).unwrap(),
+        )),
+        Some(redis) => Some(servers.block_on(async { Store::redis(&redis.url()).unwrap() })),
+    };
+    let addr = servers.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app(store)).await.unwrap() });
+        addr
+    });
+    let (p50, idle) = client.block_on(ttfb(addr, "profile", n));
+    println!(
+        "TTFB {variant}, {n} requests: p50 {p50:.0} µs, servers idle before each {idle:.0} µs"
+    );
+}
+
 fn main() {
     let mode = Mode::from_args();
     // The servers: a runtime of their own, as in a service.
@@ -219,6 +245,11 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(at) = args.iter().position(|a| a == "--profile") {
+        profile(&args[at + 1..], &servers, &client);
+        return;
+    }
     let redis = client.block_on(RedisServer::start_owned());
     let url = redis.url();
     let addrs: Vec<SocketAddr> = ["none", "memory", "redis"]
