@@ -10,14 +10,16 @@
 //! (Redis keeps a counter per name because there the counter must survive in the lock's own hash
 //! slot; in one process a single counter is cheaper and stronger.)
 
-use std::collections::hash_map::Entry::Occupied;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
 use super::waiters::Waiters;
+use entries::Entries;
+
+mod entries;
 use super::{Appended, Attempt, Backend, BoxFuture, Mode, Op};
 use crate::once::{Parts, Record, RecordState};
 use crate::{ConfigError, LockError, LockName, OwnerId, Token};
@@ -158,8 +160,10 @@ impl MemState {
 /// A lock and its state, under the lock key.
 #[derive(Debug)]
 struct Entry {
-    /// The key the entry is stored under (shared with the indexes).
-    key: Arc<str>,
+    /// The key the entry is stored under.
+    key: Box<str>,
+    /// Its hash in [`Entries`].
+    hash: u64,
     lock: Option<MemLock>,
     state: Option<MemState>,
     /// Where the lock and the state stand in the store's indexes.
@@ -188,9 +192,10 @@ enum Place {
 type At = (Instant, u64);
 
 impl Entry {
-    fn new(key: Arc<str>) -> Self {
+    fn new(key: Box<str>, hash: u64) -> Self {
         Entry {
             key,
+            hash,
             lock: None,
             state: None,
             indexed: Indexed::default(),
@@ -222,12 +227,8 @@ impl Entry {
     }
 }
 
-/// Entries by lock key. foldhash is randomly seeded (so lock names cannot be chosen to collide)
-/// and hashes these keys several times faster than SipHash.
-type Entries = HashMap<Arc<str>, Entry, foldhash::fast::RandomState>;
-
 /// The store: the entries, and what is counted and indexed about them.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Store {
     entries: Entries,
     ix: Index,
@@ -235,18 +236,18 @@ struct Store {
 
 /// Counts and indexes over the entries. Every index is exact (one entry per lock or state,
 /// moved when it changes), so a sweep, and an eviction, costs O(log n) at any fill level.
-/// Apart from the map, so that an entry borrowed from the map can be settled without a second
-/// lookup.
+/// Apart from the entries, so that an entry borrowed from them can be settled without a second
+/// lookup. The indexes name entries by their slot in [`Entries`].
 #[derive(Debug, Default)]
 struct Index {
     /// Locks plus states (the entry bound counts both).
     slots: usize,
     /// Every lock, by expiry.
-    locks: BTreeMap<At, Arc<str>>,
+    locks: BTreeMap<At, usize>,
     /// Run-once state of names nobody holds, by expiry: what may be evicted, in eviction order.
-    idle: BTreeMap<At, Arc<str>>,
+    idle: BTreeMap<At, usize>,
     /// Run-once state under a held lock, by expiry: swept when it expires, never evicted.
-    busy: BTreeMap<At, Arc<str>>,
+    busy: BTreeMap<At, usize>,
     seq: u64,
     /// The last fencing token handed out, by any lock of the store.
     fence: u64,
@@ -273,10 +274,10 @@ impl Index {
         self.slots + slots <= limits.max_entries && self.bytes + bytes <= limits.max_bytes
     }
 
-    /// Settles a change to `entry`, which counted `before` (slots, bytes) until it: accounts
-    /// for it and moves it in the indexes. Returns whether the entry is empty now (the caller
-    /// drops it from the map). Every change to an entry ends here.
-    fn settle(&mut self, entry: &mut Entry, before: (usize, usize)) -> bool {
+    /// Settles a change to `entry` (in `slot`), which counted `before` (slots, bytes) until
+    /// it: accounts for it and moves it in the indexes. Returns whether the entry is empty now
+    /// (the caller removes it). Every change to an entry ends here.
+    fn settle(&mut self, slot: usize, entry: &mut Entry, before: (usize, usize)) -> bool {
         let after = (entry.slots(), entry.bytes());
         self.slots = self.slots + after.0 - before.0;
         self.bytes = self.bytes + after.1 - before.1;
@@ -297,7 +298,7 @@ impl Index {
             }
             if let Some(at) = want {
                 self.seq += 1;
-                self.locks.insert((at, self.seq), entry.key.clone());
+                self.locks.insert((at, self.seq), slot);
                 entry.indexed.lock = Some((at, self.seq));
             }
         }
@@ -324,7 +325,7 @@ impl Index {
                     Place::Idle => &mut self.idle,
                     Place::Busy => &mut self.busy,
                 };
-                index.insert((at, self.seq), entry.key.clone());
+                index.insert((at, self.seq), slot);
                 entry.indexed.state = Some(((at, self.seq), place));
             }
         }
@@ -333,13 +334,17 @@ impl Index {
 }
 
 impl Store {
-    /// Drops the lock (`lock`) or the state of the entry under `key`, whose place in its index
-    /// the caller already took out, and settles it (one lookup).
-    fn drop_indexed(&mut self, key: Arc<str>, lock: bool) -> bool {
-        let Occupied(mut slot) = self.entries.entry(key) else {
-            return false;
-        };
-        let entry = slot.get_mut();
+    fn new(limits: &MemoryLimits) -> Self {
+        Store {
+            entries: Entries::with_bound(limits.max_entries),
+            ix: Index::default(),
+        }
+    }
+
+    /// Drops the lock (`lock`) or the state of the entry in `slot`, whose place in its index
+    /// the caller already took out, and settles it.
+    fn drop_indexed(&mut self, slot: usize, lock: bool) {
+        let entry = self.entries.get_mut(slot);
         let before = (entry.slots(), entry.bytes());
         if lock {
             entry.indexed.lock = None;
@@ -348,16 +353,15 @@ impl Store {
             entry.indexed.state = None;
             entry.state = None;
         }
-        if self.ix.settle(entry, before) {
-            slot.remove();
+        if self.ix.settle(slot, entry, before) {
+            self.entries.remove(slot);
         }
-        true
     }
 
     /// Drops everything that expired by `now`.
     fn sweep(&mut self, now: Instant) {
         loop {
-            let first = |index: &BTreeMap<At, Arc<str>>| {
+            let first = |index: &BTreeMap<At, usize>| {
                 index
                     .first_key_value()
                     .map(|(at, _)| *at)
@@ -375,20 +379,20 @@ impl Store {
             } else {
                 (&mut ix.busy, false)
             };
-            let Some(key) = index.remove(&at) else { break };
-            self.drop_indexed(key, is_lock);
+            let Some(slot) = index.remove(&at) else { break };
+            self.drop_indexed(slot, is_lock);
         }
     }
 
     /// Makes room for `slots` more locks or states and `bytes` more bytes, evicting idle state
-    /// in order of expiry, never the state of `keep` (the entry the room is for, which counts
-    /// `kept` as evictable). Returns false, having evicted nothing, if even evicting every other
-    /// idle state would not make the room.
+    /// in order of expiry, never the state of `keep` (the entry the room is for, if it has one,
+    /// which counts `kept` as evictable). Returns false, having evicted nothing, if even
+    /// evicting every other idle state would not make the room.
     fn make_room(
         &mut self,
         limits: &MemoryLimits,
         (slots, bytes): (usize, usize),
-        keep: &str,
+        keep: Option<usize>,
         kept: (usize, usize),
         now: Instant,
     ) -> bool {
@@ -408,17 +412,15 @@ impl Store {
                 .ix
                 .idle
                 .iter()
-                .find(|(_, key)| &***key != keep)
+                .find(|(_, slot)| Some(**slot) != keep)
                 .map(|(at, _)| *at)
             else {
                 break;
             };
-            let Some(key) = self.ix.idle.remove(&at) else {
+            let Some(slot) = self.ix.idle.remove(&at) else {
                 break;
             };
-            if !self.drop_indexed(key, false) {
-                continue;
-            }
+            self.drop_indexed(slot, false);
             self.ix.evicted += 1;
             if self
                 .ix
@@ -470,7 +472,7 @@ pub(crate) struct MemoryBackend {
 impl MemoryBackend {
     pub(crate) fn new(limits: MemoryLimits) -> Self {
         MemoryBackend {
-            store: Mutex::default(),
+            store: Mutex::new(Store::new(&limits)),
             limits,
             waiters: Waiters::local(),
         }
@@ -487,11 +489,13 @@ impl MemoryBackend {
         let key = op.name.lock_key();
         let once = matches!(op.mode, Mode::Once { .. });
         let Store { entries, ix } = &mut *store;
+        let found = entries.find(key);
         // What the entry counts for, what of it is evictable, and (if it has a state) what a
         // run-once acquisition frees of it: the tag it replaces and an abandoned writer's parts.
-        let (before, kept, state) = match entries.get_mut(key) {
+        let (before, kept, state) = match found {
             None => ((0, 0), (0, 0), None),
-            Some(entry) => {
+            Some(slot) => {
+                let entry = entries.get_mut(slot);
                 if once && let Some(record) = entry.state.as_ref().and_then(MemState::done) {
                     return Ok(Attempt::Done { record });
                 }
@@ -504,7 +508,7 @@ impl MemoryBackend {
                     {
                         holds.insert(op.token);
                         lock.expires = lock.expires.max(now + op.lease);
-                        ix.settle(entry, before);
+                        ix.settle(slot, entry, before);
                         return Ok(Attempt::Acquired { fence });
                     }
                     let state = entry.state.as_ref();
@@ -538,20 +542,13 @@ impl MemoryBackend {
         .saturating_sub(freed);
         // Making room never evicts this entry (nor changes it: everything expired by `now` is
         // swept already), so `before` still holds.
-        if !store.make_room(&self.limits, (new_slots, new_bytes), key, kept, now) {
+        if !store.make_room(&self.limits, (new_slots, new_bytes), found, kept, now) {
             return Err(capacity(op, &store));
         }
         let Store { entries, ix } = &mut *store;
         let fence = if fenced { ix.next_fence() } else { 0 };
-        let entry = match entries.get_mut(key) {
-            Some(entry) => entry,
-            None => {
-                let shared: Arc<str> = Arc::from(key);
-                entries
-                    .entry(shared.clone())
-                    .or_insert_with(|| Entry::new(shared))
-            }
-        };
+        let slot = found.unwrap_or_else(|| entries.insert(key));
+        let entry = entries.get_mut(slot);
         if let Some(tag) = tag {
             // Run-once state: the tag while held, the record once completed. A new holder
             // starts from no parts (an abandoned writer's are dropped).
@@ -573,7 +570,7 @@ impl MemoryBackend {
             fence,
             expires: now + op.lease,
         });
-        ix.settle(entry, before);
+        ix.settle(slot, entry, before);
         Ok(Attempt::Acquired { fence })
     }
 
@@ -598,9 +595,13 @@ impl MemoryBackend {
         store.sweep(now);
         let key = op.name.lock_key();
         let Store { entries, ix } = &mut *store;
-        let Some(entry) = entries.get_mut(key).filter(|e| Self::owned(e, op, now)) else {
+        let Some(slot) = entries
+            .find(key)
+            .filter(|&slot| Self::owned(entries.get(slot), op, now))
+        else {
             return false;
         };
+        let entry = entries.get_mut(slot);
         let ttl = state_ttl(op);
         let before = (entry.slots(), entry.bytes());
         let mut expires = now + lease;
@@ -615,8 +616,8 @@ impl MemoryBackend {
         if let (Some(state), Some(ttl)) = (entry.state.as_mut(), ttl) {
             state.expires = Some(crate::clock::after(now, ttl));
         }
-        if ix.settle(entry, before) {
-            entries.remove(key);
+        if ix.settle(slot, entry, before) {
+            entries.remove(slot);
         }
         true
     }
@@ -627,9 +628,13 @@ impl MemoryBackend {
         store.sweep(now);
         let key = op.name.lock_key();
         let Store { entries, ix } = &mut *store;
-        let Some(entry) = entries.get_mut(key).filter(|e| Self::owned(e, op, now)) else {
+        let Some(slot) = entries
+            .find(key)
+            .filter(|&slot| Self::owned(entries.get(slot), op, now))
+        else {
             return false;
         };
+        let entry = entries.get_mut(slot);
         let before = (entry.slots(), entry.bytes());
         let last = match entry.lock.as_mut().map(|l| &mut l.holder) {
             Some(Holder::Reentrant { holds, .. }) => {
@@ -644,8 +649,8 @@ impl MemoryBackend {
                 // No record: what was appended goes with the lock.
                 state.clear_parts();
             }
-            if ix.settle(entry, before) {
-                entries.remove(key);
+            if ix.settle(slot, entry, before) {
+                entries.remove(slot);
             }
             drop(store);
             self.waiters
@@ -659,14 +664,15 @@ impl MemoryBackend {
         let mut store = self.store();
         store.sweep(now);
         let key = op.name.lock_key();
-        let entry = store.entries.get(key);
-        let Some(entry) = entry.filter(|e| Self::owned(e, op, now)) else {
-            let mine = entry
-                .and_then(|e| e.state.as_ref())
+        let found = store.entries.find(key);
+        let Some(slot) = found.filter(|&slot| Self::owned(store.entries.get(slot), op, now)) else {
+            let mine = found
+                .and_then(|slot| store.entries.get(slot).state.as_ref())
                 .and_then(|s| s.completed_by)
                 .is_some_and(|t| t == op.token);
             return Ok(mine);
         };
+        let entry = store.entries.get(slot);
         let before = (entry.slots(), entry.bytes());
         let replace = appended == super::REPLACE_PARTS;
         let stored = entry.state.as_ref().map_or(0, |s| s.parts.len() as u64);
@@ -683,14 +689,13 @@ impl MemoryBackend {
         });
         let kept = entry.indexed.evictable;
         let room = (0, record.len().saturating_sub(old));
-        if !store.make_room(&self.limits, room, key, kept, now) {
+        if !store.make_room(&self.limits, room, Some(slot), kept, now) {
             return Err(capacity(op, &store));
         }
         let ttl = state_ttl(op);
         let Store { entries, ix } = &mut *store;
-        let entry = entries
-            .get_mut(key)
-            .expect("owned, and never evicted while held");
+        // Never evicted while held.
+        let entry = entries.get_mut(slot);
         let state = entry.holder_state();
         if appended == 0 || replace {
             state.clear_parts();
@@ -703,8 +708,8 @@ impl MemoryBackend {
         state.tag = None;
         state.expires = ttl.map(|ttl| crate::clock::after(now, ttl));
         entry.lock = None;
-        if ix.settle(entry, before) {
-            entries.remove(key);
+        if ix.settle(slot, entry, before) {
+            entries.remove(slot);
         }
         drop(store);
         self.waiters
@@ -717,9 +722,14 @@ impl MemoryBackend {
         let mut store = self.store();
         store.sweep(now);
         let key = op.name.lock_key();
-        let Some(entry) = store.entries.get(key).filter(|e| Self::owned(e, op, now)) else {
+        let Some(slot) = store
+            .entries
+            .find(key)
+            .filter(|&slot| Self::owned(store.entries.get(slot), op, now))
+        else {
             return Ok(Appended::NotOwner);
         };
+        let entry = store.entries.get(slot);
         let before = (entry.slots(), entry.bytes());
         let (len, same) = entry.state.as_ref().map_or((0, false), |s| {
             let same = usize::try_from(index)
@@ -736,21 +746,20 @@ impl MemoryBackend {
             return Ok(Appended::Mismatch { len });
         };
         let kept = entry.indexed.evictable;
-        if push && !store.make_room(&self.limits, (0, part.len()), key, kept, now) {
+        if push && !store.make_room(&self.limits, (0, part.len()), Some(slot), kept, now) {
             return Err(capacity(op, &store));
         }
         let Store { entries, ix } = &mut *store;
-        let entry = entries
-            .get_mut(key)
-            .expect("owned, and never evicted while held");
+        // Never evicted while held.
+        let entry = entries.get_mut(slot);
         let state = entry.holder_state();
         if push {
             state.push(part);
         }
         // Every part lives as long as the record would.
         state.expires = state_ttl(op).map(|ttl| crate::clock::after(now, ttl));
-        if ix.settle(entry, before) {
-            entries.remove(key);
+        if ix.settle(slot, entry, before) {
+            entries.remove(slot);
         }
         Ok(Appended::Stored)
     }
@@ -759,7 +768,10 @@ impl MemoryBackend {
         let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
-        let entry = store.entries.get(name.lock_key());
+        let entry = store
+            .entries
+            .find(name.lock_key())
+            .map(|slot| store.entries.get(slot));
         let lock = entry.and_then(|e| e.live_lock(now));
         let Some(state) = entry.and_then(|e| e.state.as_ref()) else {
             let fence = lock.map_or(0, |l| l.fence);
@@ -837,7 +849,8 @@ impl MemoryBackend {
         let s = self.store();
         let recounted = s
             .entries
-            .values()
+            .iter()
+            .map(|(_, e)| e)
             .filter(|e| e.lock.is_none() && e.state.is_some())
             .fold((0, 0), |(n, b), e| (n + e.slots(), b + e.bytes()));
         (s.ix.evictable, recounted)
@@ -851,7 +864,11 @@ impl MemoryBackend {
         let mut problems = Vec::new();
         let (mut slots, mut bytes, mut evictable) = (0, 0, (0, 0));
         let (mut locks, mut states) = (0, 0);
-        for (key, e) in &s.entries {
+        for (slot, e) in s.entries.iter() {
+            let key = &e.key;
+            if s.entries.find(key) != Some(slot) {
+                problems.push(format!("{key}: not found by its key in slot {slot}"));
+            }
             if e.slots() == 0 {
                 problems.push(format!("{key}: an empty entry left in the map"));
             }
@@ -863,7 +880,7 @@ impl MemoryBackend {
             match (&e.lock, e.indexed.lock) {
                 (None, None) => {}
                 (Some(lock), Some(at))
-                    if at.0 == lock.expires && s.ix.locks.get(&at) == Some(key) =>
+                    if at.0 == lock.expires && s.ix.locks.get(&at) == Some(&slot) =>
                 {
                     locks += 1;
                 }
@@ -882,12 +899,19 @@ impl MemoryBackend {
                         && match place {
                             Place::Idle => s.ix.idle.get(&at),
                             Place::Busy => s.ix.busy.get(&at),
-                        } == Some(key) =>
+                        } == Some(&slot) =>
                 {
                     states += 1;
                 }
                 _ => problems.push(format!("{key}: its state is not indexed where it belongs")),
             }
+        }
+        if s.entries.len() != s.entries.iter().count() {
+            problems.push(format!(
+                "{} entries found by key, {} in their slots",
+                s.entries.len(),
+                s.entries.iter().count()
+            ));
         }
         if (slots, bytes) != (s.ix.slots, s.ix.bytes) {
             problems.push(format!(
@@ -1468,7 +1492,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(40));
         b.store().sweep(Instant::now());
         assert_eq!(b.usage(), (0, 0, 0));
-        assert!(b.store().entries.is_empty(), "nothing left in the map");
+        assert_eq!(b.store().entries.len(), 0, "nothing left in the map");
         assert_eq!(b.audit(), Vec::<String>::new());
     }
 
