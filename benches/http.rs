@@ -19,7 +19,12 @@
 //!
 //! Reported per variant: throughput, p50 and p99 latency, and the server process's CPU time
 //! per request (from /proc, user + system). "execute" requests carry a new key each; "replay"
-//! requests repeat keys whose responses are stored. At one connection, a server without the
+//! requests repeat keys whose responses are stored. The memory store runs twice: with room for
+//! every key of the run (`memory`: what the layer costs before any eviction), and with the
+//! default bounds a service gets (`memory-default`: 100,000 entries, filled before the rounds,
+//! so every new key evicts the oldest record). Before the rounds, the latency while that
+//! default store fills (150,000 new keys on a fresh server) is taken against the same requests
+//! without the layer. At one connection, a server without the
 //! layer whose handler does 15 µs more work (`none-slow`) is measured too: on a machine whose
 //! idle CPUs sleep, the one-connection latency steps up with the server's work per request, and
 //! that row shows the step without the layer.
@@ -130,6 +135,9 @@ async fn app(variant: &str, redis_url: &str) -> Router {
         "memory" => routes.layer(layer(Store::memory_with(
             distlock::MemoryLimits::new(4_000_000, 2 << 30).unwrap(),
         ))),
+        // What a service gets: 100,000 entries; full after the fill (see `fill`), every new
+        // key evicting the oldest record.
+        "memory-default" => routes.layer(layer(Store::memory())),
         // Ours on Valkey: the same store, another server.
         "redis" | "valkey" => routes.layer(layer(Store::redis(redis_url).unwrap())),
         "peer" => peer_app(
@@ -324,6 +332,37 @@ async fn load(
         cpu_us_per_request: cpu.as_secs_f64() * 1e6 / n,
         store_cpu_us_per_request: store.map(|d| d.as_secs_f64() * 1e6 / n),
     }
+}
+
+/// Latency while `keys` new keys arrive at `CONCURRENCY` connections, every one of them
+/// measured: (p99, max) in µs. Run on a fresh server with the default memory store, its first
+/// 100,000 keys fill it and the rest evict; on a server without the layer, the same requests.
+async fn fill(server: &Server, keys: u64, tag: &str) -> (f64, f64) {
+    let next = Arc::new(AtomicU64::new(0));
+    let mut workers = Vec::new();
+    for _ in 0..CONCURRENCY {
+        let (addr, next, tag) = (server.addr, next.clone(), tag.to_owned());
+        workers.push(tokio::spawn(async move {
+            let mut sender = connect(addr).await;
+            let mut latencies = Vec::new();
+            while next.fetch_add(1, Ordering::Relaxed) < keys {
+                let key = format!("{tag}-{}", SEQ.fetch_add(1, Ordering::Relaxed));
+                let t = Instant::now();
+                let (status, _) = send(&mut sender, request(addr, &key, None)).await;
+                assert_eq!(status, StatusCode::CREATED, "{key}");
+                latencies.push(t.elapsed());
+            }
+            latencies
+        }));
+    }
+    let mut latencies = Vec::new();
+    for w in workers {
+        latencies.extend(w.await.unwrap());
+    }
+    (
+        percentile_us(&mut latencies, 99.0),
+        percentile_us(&mut latencies, 100.0),
+    )
 }
 
 /// User + system CPU time of process `pid` (`self` for this one) so far, from /proc.
@@ -548,6 +587,7 @@ async fn drive(mode: Mode) {
     let variants: Vec<(&str, Path)> = vec![
         ("none", Path::Execute),
         ("memory", Path::Execute),
+        ("memory-default", Path::Execute),
         ("redis", Path::Execute),
         ("peer", Path::Execute),
         ("memory", Path::Replay),
@@ -560,6 +600,12 @@ async fn drive(mode: Mode) {
         ("peer-valkey", Path::Replay),
     ];
     let valkey = Valkey::start().await;
+    // The default memory store while it fills, against the same requests without the layer,
+    // each on a fresh server; the first then serves the default store's variant, full.
+    let fill_keys = if mode.full { 150_000 } else { 2_000 };
+    let memory_default = Server::start("memory-default", &url, None);
+    let fill_none = fill(&Server::start("none", &url, None), fill_keys, "fill-none").await;
+    let fill_memory = fill(&memory_default, fill_keys, "fill-memory").await;
     let servers: Vec<(&str, Server)> = ["none", "none-slow", "memory", "redis", "peer"]
         .into_iter()
         .map(|v| {
@@ -573,6 +619,7 @@ async fn drive(mode: Mode) {
                 .into_iter()
                 .map(|v| (v, Server::start(v, &valkey.url, Some(valkey.child.id())))),
         )
+        .chain([("memory-default", memory_default)])
         .collect();
     let server = |name: &str| &servers.iter().find(|(n, _)| *n == name).unwrap().1;
     // A session per connection for each peer server (it only caches within a session).
@@ -686,7 +733,8 @@ async fn drive(mode: Mode) {
     let label = |(name, path): &(&str, Path)| {
         let who = match *name {
             "none" => "no layer",
-            "memory" => "ours, memory store",
+            "memory" => "ours, memory store (room for every key)",
+            "memory-default" => "ours, memory store (default bounds, full)",
             "redis" => "ours, Redis store",
             "peer" => "axum-idempotent (moka)",
             "valkey" => "ours, Redis store on Valkey",
@@ -735,6 +783,12 @@ async fn drive(mode: Mode) {
     row(&[
         "throughput: ours (memory) / no layer",
         &t("memory", Path::Execute)
+            .ratio(t("none", Path::Execute))
+            .fmt_ratio(),
+    ]);
+    row(&[
+        "throughput: ours (memory, default bounds, full: each new key evicts one) / no layer",
+        &t("memory-default", Path::Execute)
             .ratio(t("none", Path::Execute))
             .fmt_ratio(),
     ]);
@@ -877,4 +931,27 @@ async fn drive(mode: Mode) {
         "Redis store, one connection: added CPU beyond the plain client's two calls (multi-thread)",
         &span(&diff(&added_cpu_1, &two_rtt_mt_cpu)),
     ]);
+    println!(
+        "\nWhile the default memory store fills: {fill_keys} new keys at {CONCURRENCY} \
+         connections on a fresh server (its first 100,000 fill it), every request timed; the \
+         same requests without the layer on a fresh server (one run each, before the rounds):\n"
+    );
+    row(&[
+        "figure",
+        "no layer",
+        "memory store, default bounds",
+        "ratio",
+    ]);
+    row(&["---", "---", "---", "---"]);
+    for (name, none, memory) in [
+        ("p99 latency", fill_none.0, fill_memory.0),
+        ("max latency", fill_none.1, fill_memory.1),
+    ] {
+        row(&[
+            name,
+            &format!("{none:.0} µs"),
+            &format!("{memory:.0} µs"),
+            &format!("{:.2}", memory / none),
+        ]);
+    }
 }
