@@ -906,6 +906,7 @@ impl MemoryBackend {
                 _ => problems.push(format!("{key}: its state is not indexed where it belongs")),
             }
         }
+        problems.extend(s.entries.audit());
         if s.entries.len() != s.entries.iter().count() {
             problems.push(format!(
                 "{} entries found by key, {} in their slots",

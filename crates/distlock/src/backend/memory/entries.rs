@@ -3,13 +3,14 @@
 //! indexes), so that an eviction or a sweep reaches its entry without hashing or comparing a
 //! key.
 //!
-//! The table's elements are 16 bytes and carry their hash: growing it, or rehashing it in place
-//! once deletions have left it full of tombstones, moves 16 bytes per entry and reads no key
-//! (the map it replaces moved each ~380-byte entry and re-read each key, under the store's
+//! The table's elements are 16 bytes and carry their hash: rehashing it (in place, once
+//! deletions have left it full of tombstones, or growing) moves 16 bytes per entry and reads no
+//! key. The map it replaces moved each ~380-byte entry and re-read each key, under the store's
 //! lock: every request of the process waited out tens of milliseconds when a store of 100,000
-//! entries first filled up). Both the table and the slab are sized for the store's bound when
-//! it is made (up to [`PRESIZED`] entries); memory the entries do not use is only reserved,
-//! not touched.
+//! entries first filled up. The table is sized for twice the store's bound when it is made (up
+//! to [`PRESIZED`] entries), so that a full store's tombstones are cleared in place rather than
+//! by doubling it. The slab grows by chunks of [`CHUNK`] slots, allocated as they are needed:
+//! an entry never moves, and a store takes memory for the entries it holds.
 
 use foldhash::fast::RandomState;
 use hashbrown::HashTable;
@@ -17,16 +18,21 @@ use std::hash::BuildHasher;
 
 use super::Entry;
 
-/// Entries the table and the slab are sized for when the store is made (at most): neither
-/// grows before it holds that many.
-const PRESIZED: usize = 1 << 18;
+/// Entries the table is sized for when the store is made (at most).
+const PRESIZED: usize = 1 << 19;
+
+/// Slots per chunk of the slab.
+const CHUNK: usize = 1024;
 
 /// Entries by key, each in a slot that stays its own until it is removed.
 #[derive(Debug)]
 pub(super) struct Entries {
     /// `(hash of the key, slot)` for every entry.
     table: HashTable<(u64, usize)>,
-    slots: Vec<Option<Entry>>,
+    /// The slab: slot `s` is `chunks[s / CHUNK][s % CHUNK]`.
+    chunks: Vec<Box<[Option<Entry>]>>,
+    /// Slots handed out so far (each is in use or in `free`).
+    used: usize,
     /// Slots of removed entries, taken again first.
     free: Vec<usize>,
     /// foldhash is randomly seeded (so keys cannot be chosen to collide) and hashes these keys
@@ -35,15 +41,23 @@ pub(super) struct Entries {
 }
 
 impl Entries {
-    /// Room for `bound` entries (up to [`PRESIZED`]) before anything grows.
+    /// A table for twice `bound` entries (up to [`PRESIZED`]).
     pub(super) fn with_bound(bound: usize) -> Self {
-        let room = bound.min(PRESIZED);
         Entries {
-            table: HashTable::with_capacity(room),
-            slots: Vec::with_capacity(room),
+            table: HashTable::with_capacity(bound.saturating_mul(2).min(PRESIZED)),
+            chunks: Vec::new(),
+            used: 0,
             free: Vec::new(),
             hasher: RandomState::default(),
         }
+    }
+
+    fn slot(&self, slot: usize) -> Option<&Entry> {
+        self.chunks.get(slot / CHUNK)?[slot % CHUNK].as_ref()
+    }
+
+    fn slot_mut(&mut self, slot: usize) -> &mut Option<Entry> {
+        &mut self.chunks[slot / CHUNK][slot % CHUNK]
     }
 
     fn hash(&self, key: &str) -> u64 {
@@ -55,22 +69,26 @@ impl Entries {
         let hash = self.hash(key);
         self.table
             .find(hash, |&(h, slot)| {
-                h == hash && self.slots[slot].as_ref().is_some_and(|e| &*e.key == key)
+                h == hash && self.slot(slot).is_some_and(|e| &*e.key == key)
             })
             .map(|&(_, slot)| slot)
     }
 
     /// The entry in `slot`, which must hold one.
     pub(super) fn get(&self, slot: usize) -> &Entry {
-        match self.slots.get(slot) {
-            Some(Some(entry)) => entry,
-            _ => unreachable!("slot {slot} holds no entry"),
+        match self.slot(slot) {
+            Some(entry) => entry,
+            None => unreachable!("slot {slot} holds no entry"),
         }
     }
 
     /// The entry in `slot`, which must hold one.
     pub(super) fn get_mut(&mut self, slot: usize) -> &mut Entry {
-        match self.slots.get_mut(slot) {
+        match self
+            .chunks
+            .get_mut(slot / CHUNK)
+            .map(|c| &mut c[slot % CHUNK])
+        {
             Some(Some(entry)) => entry,
             _ => unreachable!("slot {slot} holds no entry"),
         }
@@ -79,24 +97,27 @@ impl Entries {
     /// Adds a new, empty entry under `key` (which holds none): its slot.
     pub(super) fn insert(&mut self, key: &str) -> usize {
         let hash = self.hash(key);
-        let entry = Some(Entry::new(key.into(), hash));
-        let slot = match self.free.pop() {
-            Some(slot) => {
-                self.slots[slot] = entry;
-                slot
+        let slot = self.free.pop().unwrap_or_else(|| {
+            if self.used == self.chunks.len() * CHUNK {
+                self.chunks.push((0..CHUNK).map(|_| None).collect());
             }
-            None => {
-                self.slots.push(entry);
-                self.slots.len() - 1
-            }
-        };
+            self.used += 1;
+            self.used - 1
+        });
+        let place = self.slot_mut(slot);
+        debug_assert!(place.is_none(), "slot {slot} handed out while in use");
+        *place = Some(Entry::new(key.into(), hash));
         self.table.insert_unique(hash, (hash, slot), |&(h, _)| h);
         slot
     }
 
     /// Removes the entry in `slot`.
     pub(super) fn remove(&mut self, slot: usize) {
-        let Some(entry) = self.slots.get_mut(slot).and_then(Option::take) else {
+        let Some(entry) = self
+            .chunks
+            .get_mut(slot / CHUNK)
+            .and_then(|c| c[slot % CHUNK].take())
+        else {
             return;
         };
         if let Ok(found) = self.table.find_entry(entry.hash, |&(_, s)| s == slot) {
@@ -108,10 +129,36 @@ impl Entries {
     /// Every entry, with its slot.
     #[cfg(test)]
     pub(super) fn iter(&self) -> impl Iterator<Item = (usize, &Entry)> {
-        self.slots
+        self.chunks
             .iter()
+            .flat_map(|c| c.iter())
             .enumerate()
             .filter_map(|(slot, e)| e.as_ref().map(|e| (slot, e)))
+    }
+
+    /// What does not hold in the slab's free list: every free slot empty, listed once, and
+    /// every slot in use or free (for tests).
+    #[cfg(test)]
+    pub(super) fn audit(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for &slot in &self.free {
+            if !seen.insert(slot) {
+                problems.push(format!("slot {slot} is free twice"));
+            }
+            if slot >= self.used || self.slot(slot).is_some() {
+                problems.push(format!("free slot {slot} is not an empty slot handed out"));
+            }
+        }
+        if self.len() + self.free.len() != self.used {
+            problems.push(format!(
+                "{} entries and {} free slots, {} handed out",
+                self.len(),
+                self.free.len(),
+                self.used
+            ));
+        }
+        problems
     }
 
     #[cfg(test)]
@@ -124,43 +171,52 @@ impl Entries {
 mod tests {
     use super::*;
 
-    /// Entries are found by key, keep their slot, and a removed entry's slot serves the next
-    /// one; the table's capacity set when the store is made is not outgrown below its bound.
+    /// Entries are found by key and keep their slot; a removed entry's slot serves the next
+    /// one; and churn on a full table (every removal may leave a tombstone) never reallocates
+    /// it: its tombstones are cleared in place, moving 16-byte elements, not by doubling it.
     #[test]
-    fn slots_are_stable_and_reused() {
-        let mut entries = Entries::with_bound(1_000);
-        let capacity = entries.table.capacity();
-        assert!(capacity >= 1_000, "{capacity}");
-        let slots: Vec<usize> = (0..1_000)
+    fn slots_are_stable_reused_and_the_table_never_doubles() {
+        let bound = 3_000;
+        let mut entries = Entries::with_bound(bound);
+        let allocated = entries.table.allocation_size();
+        let slots: Vec<usize> = (0..bound)
             .map(|i| entries.insert(&format!("k{i}")))
             .collect();
-        assert_eq!(entries.len(), 1_000);
+        assert_eq!(entries.len(), bound);
         for (i, slot) in slots.iter().enumerate() {
             assert_eq!(entries.find(&format!("k{i}")), Some(*slot));
             assert_eq!(&*entries.get(*slot).key, format!("k{i}"));
         }
-        // Churn: remove and add many times the bound; nothing outgrows the capacity.
-        for round in 0..20 {
-            for i in (0..1_000).step_by(3) {
-                let key = format!("k{i}");
-                if let Some(slot) = entries.find(&key) {
-                    entries.remove(slot);
-                    assert_eq!(entries.find(&key), None);
-                } else {
-                    let slot = entries.insert(&key);
-                    assert_eq!(entries.find(&key), Some(slot));
-                }
-            }
-            assert!(entries.len() <= 1_000, "round {round}");
+        // Churn at the bound: one out, one new in, a hundred times the bound.
+        for next in bound..101 * bound {
+            let old = format!("k{}", next - bound);
+            let slot = entries.find(&old).expect("present");
+            entries.remove(slot);
+            assert_eq!(entries.find(&old), None);
+            let new = format!("k{next}");
+            let taken = entries.insert(&new);
+            assert_eq!(taken, slot, "{new}: the freed slot is taken again");
+            assert_eq!(entries.find(&new), Some(taken));
         }
-        assert_eq!(entries.slots.capacity(), 1_000, "the slab never grew");
-        assert_eq!(entries.iter().count(), entries.len());
-        let removed = slots[1];
-        entries.remove(removed);
+        assert_eq!(entries.len(), bound);
         assert_eq!(
-            entries.insert("new"),
-            removed,
-            "a freed slot is taken again"
+            entries.table.allocation_size(),
+            allocated,
+            "the table never reallocated"
+        );
+        assert_eq!(
+            entries.chunks.len(),
+            bound.div_ceil(CHUNK),
+            "no slot beyond the bound"
+        );
+        assert_eq!(entries.iter().count(), bound);
+        assert_eq!(entries.audit(), Vec::<String>::new());
+        entries.remove(slots[0]);
+        entries.remove(slots[0]);
+        assert_eq!(
+            entries.audit(),
+            Vec::<String>::new(),
+            "a second removal is a no-op"
         );
     }
 }
