@@ -746,7 +746,9 @@ impl MemoryBackend {
             return Ok(Appended::Mismatch { len });
         };
         let kept = entry.indexed.evictable;
-        if push && !store.make_room(&self.limits, (0, part.len()), Some(slot), kept, now) {
+        // A state swept under its holder (a retention shorter than the hold) is made again.
+        let room = (usize::from(entry.state.is_none()), part.len());
+        if push && !store.make_room(&self.limits, room, Some(slot), kept, now) {
             return Err(capacity(op, &store));
         }
         let Store { entries, ix } = &mut *store;
@@ -1378,6 +1380,63 @@ mod tests {
         }
     }
 
+    /// A holder whose run-once state expired under it (a retention shorter than its hold) and
+    /// was swept appends on a full store: the state it makes again takes a slot, so room is
+    /// made for it like for any new state (before: the store went over its entry bound by one
+    /// per such holder). A completion makes it again in place of the lock: no room needed.
+    #[test]
+    fn a_state_made_again_by_its_holder_counts_against_the_bound() {
+        for complete in [true, false] {
+            let b = MemoryBackend::new(MemoryLimits::new(4, 1 << 20).unwrap());
+            let short = op(
+                "short",
+                Mode::Once {
+                    tag: Bytes::from_static(b"t"),
+                    retention: Duration::from_millis(20),
+                },
+                10_000,
+            );
+            assert!(matches!(
+                b.acquire_now(&short).unwrap(),
+                Attempt::Acquired { .. }
+            ));
+            std::thread::sleep(Duration::from_millis(30)); // the state expires, the lock is held
+            // Fill the rest of the store with records.
+            for i in 0..2 {
+                let o = op(
+                    &format!("k{i}"),
+                    Mode::Once {
+                        tag: Bytes::new(),
+                        retention: Duration::from_secs(60),
+                    },
+                    10_000,
+                );
+                b.acquire_now(&o).unwrap();
+                assert!(b.complete_now(&o, b"r", 0).unwrap());
+            }
+            let held = op("held", Mode::Exclusive, 10_000);
+            b.acquire_now(&held).unwrap();
+            assert_eq!(
+                b.usage().0,
+                4,
+                "full: the held lock, two records, and one more lock"
+            );
+            if complete {
+                assert!(b.complete_now(&short, b"record", 0).unwrap());
+            } else {
+                assert_eq!(b.append_now(&short, 0, b"part").unwrap(), Appended::Stored);
+            }
+            let (entries, _, evicted) = b.usage();
+            assert!(
+                entries <= 4,
+                "over the bound: {entries} (complete: {complete})"
+            );
+            let needed = if complete { 0 } else { 1 };
+            assert_eq!(evicted, needed, "records evicted (complete: {complete})");
+            assert_eq!(b.audit(), Vec::<String>::new());
+        }
+    }
+
     /// A name whose abandoned writer left parts behind (its lease ran out) is acquired again on
     /// a store whose bytes they fill: the acquisition drops them, so it needs no room (before:
     /// it was counted as needing its tag's bytes on top, and refused with `Capacity`).
@@ -1565,6 +1624,11 @@ mod tests {
                 assert!(
                     problems.is_empty(),
                     "seed {seed}, step {step}: {problems:?}"
+                );
+                let (slots, bytes, _) = b.usage();
+                assert!(
+                    slots <= 12 && bytes <= 4096,
+                    "seed {seed}, step {step}: over the bounds, {slots} slots, {bytes} bytes"
                 );
             }
         }
