@@ -849,3 +849,62 @@ async fn an_unknown_outcome_being_stored_is_not_cancelled_with_the_client() {
     assert_eq!(again.status, StatusCode::INTERNAL_SERVER_ERROR, "{again:?}");
     assert_eq!(again.problem(), "outcome-unknown");
 }
+
+/// The store's connection drops in the middle of a replay of a streamed record (one of its
+/// reads loses its reply and the connection is cut, as a network blip or a failover would):
+/// the reads are retried once the store answers again and the client gets the whole body,
+/// once (before, the body broke off at the first failed read, and the client had to send the
+/// request again for a record that was there all along). A duplicate joining a stream live
+/// reads through the same retries (distlock's `replies::a_read_whose_reply_is_lost_is_tried_again`
+/// covers a follower).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_goes_on_when_the_store_connection_drops() {
+    use http_body_util::BodyExt;
+    use support::within;
+    let server = RedisServer::start_owned().await;
+    let proxy = testkit::FaultProxy::start(&server).await;
+    let prefix = testkit::unique_prefix("replay-drop");
+    let (router, probe) = app(&redis_store(&proxy.url(), &prefix).await, |b| b);
+    let (addr, _server) = serve(router).await;
+    let client = client();
+    // 2 MiB in 1 KiB frames: stored as 32 parts of 64 KiB, read back four at a time.
+    let request = || {
+        Request::post(format!("http://{addr}/download?kib=2048"))
+            .header("idempotency-key", "dl")
+            .header("authorization", "alice")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let first = within("the response", client.request(request()))
+        .await
+        .unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let body = within("the body", first.into_body().collect())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert_eq!(body.len(), 2 << 20);
+    for attempt in 0..3 {
+        let retry = within("the replay", client.request(request()))
+            .await
+            .unwrap();
+        assert_eq!(retry.status(), StatusCode::OK, "{retry:?}");
+        assert_eq!(retry.headers()["idempotent-replayed"], "true");
+        let mut replay = retry.into_body();
+        let mut got = Vec::new();
+        let frame = within("the first frame", replay.frame())
+            .await
+            .expect("a frame")
+            .expect("data");
+        got.extend_from_slice(frame.data_ref().expect("data"));
+        // The next reply from the store is lost and its connection cut.
+        proxy.drop_next_replies(1);
+        let rest = within("the rest of the replay", replay.collect()).await;
+        let rest = rest.unwrap_or_else(|e| panic!("attempt {attempt}: the replay broke off: {e}"));
+        got.extend_from_slice(&rest.to_bytes());
+        assert_eq!(got.len(), body.len(), "attempt {attempt}");
+        assert!(got == body[..], "attempt {attempt}: other bytes");
+        assert!(proxy.dropped() > attempt, "a reply was dropped");
+    }
+    assert_eq!(probe.runs(), 1);
+}

@@ -722,12 +722,8 @@ impl Once {
     /// # Ok(()) }
     /// ```
     pub async fn parts(&self, from: u64, max: usize) -> Result<Parts, LockError> {
-        let timeout = self.config.op_timeout();
-        let read = self.client.backend().parts(&self.name, from, max);
-        match crate::backend::timed(timeout, read).await {
-            Ok(read) => read,
-            Err(_) => Err(LockError::timeout(self.name.as_str(), false, timeout)),
-        }
+        self.read(|| self.client.backend().parts(&self.name, from, max))
+            .await
     }
 
     /// Up to `max` parts of a completed record from part `from` on, read without its state:
@@ -768,11 +764,36 @@ impl Once {
     /// # Ok(()) }
     /// ```
     pub async fn stored_parts(&self, from: u64, max: usize) -> Result<Vec<Bytes>, LockError> {
+        self.read(|| self.client.backend().stored_parts(&self.name, from, max))
+            .await
+    }
+
+    /// Runs a read (which changes nothing, so it may run twice) until it answers, retrying a
+    /// store out of reach ([`LockError::is_unavailable`]: a dropped connection, a failover)
+    /// with backoff until the command timeout has passed since the first try: a reader in the
+    /// middle of a long record goes on once the store answers again.
+    async fn read<T, Fut>(&self, mut read: impl FnMut() -> Fut) -> Result<T, LockError>
+    where
+        Fut: Future<Output = Result<T, LockError>>,
+    {
         let timeout = self.config.op_timeout();
-        let read = self.client.backend().stored_parts(&self.name, from, max);
-        match crate::backend::timed(timeout, read).await {
-            Ok(read) => read,
-            Err(_) => Err(LockError::timeout(self.name.as_str(), false, timeout)),
+        let deadline = crate::clock::after(crate::clock::now(), timeout);
+        let mut backoff = Backoff::new(self.config.retry_base(), self.config.retry_max());
+        loop {
+            let left = deadline.saturating_duration_since(crate::clock::now());
+            let error = match crate::backend::timed(left, read()).await {
+                Ok(Ok(read)) => return Ok(read),
+                Ok(Err(error)) => error,
+                Err(_) => return Err(LockError::timeout(self.name.as_str(), false, timeout)),
+            };
+            let delay = backoff.next_delay();
+            if !error.is_unavailable()
+                || crate::clock::after(crate::clock::now(), delay) >= deadline
+            {
+                return Err(error);
+            }
+            tracing::debug!(lock = self.name.as_str(), %error, "a read failed; retrying");
+            tokio::time::sleep(delay).await;
         }
     }
 

@@ -381,6 +381,47 @@ async fn a_lost_append_reply_does_not_duplicate_the_part() {
     assert_eq!(stored, 4, "no part stored twice");
 }
 
+/// A read whose reply is lost with its connection (a network blip, a failover) is tried again
+/// once the store answers: reads change nothing, so a reader in the middle of a long record
+/// (a replay, a follower of a live stream) goes on (before: the first failed read ended it
+/// with `Unavailable`, though the store was back a moment later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_whose_reply_is_lost_is_tried_again() {
+    let (_server, proxy, once, guard) = streaming_through_a_proxy("lost-read", ms(900)).await;
+    assert_eq!(guard.append(b"p0").await.unwrap(), 0);
+    let mut follower = once.follow(0);
+    let soon = || Instant::now() + ms(500);
+    assert_eq!(
+        follower.next(8, soon()).await.unwrap().parts(),
+        [&b"p0"[..]]
+    );
+    // A follower's read of the record being written.
+    assert_eq!(guard.append(b"p1").await.unwrap(), 1);
+    proxy.drop_next_replies(1);
+    let read = follower
+        .next(8, soon())
+        .await
+        .expect("a lost read reply is tried again");
+    assert_eq!(read.parts(), [&b"p1"[..]]);
+    assert_eq!(proxy.dropped(), 1);
+    guard.complete(b"p2").await.unwrap();
+    // The atomic read of a completed record, and the plain list read.
+    proxy.drop_next_replies(1);
+    let read = once
+        .parts(0, 10)
+        .await
+        .expect("a lost read reply is tried again");
+    assert_eq!(read.parts(), [&b"p0"[..], b"p1", b"p2"]);
+    assert_eq!(read.state(), RecordState::Done { parts: 3 });
+    proxy.drop_next_replies(1);
+    let parts = once
+        .stored_parts(1, 10)
+        .await
+        .expect("a lost read reply is tried again");
+    assert_eq!(parts, [&b"p1"[..], b"p2"]);
+    assert_eq!(proxy.dropped(), 3);
+}
+
 /// The caller gives up on an append after it was sent (its reply is late): the part may be
 /// stored. Appending the same part again is recognised (index 0 once); another part at that
 /// index is refused as a broken record, never stored next to it.
