@@ -65,7 +65,8 @@ impl IdempotencyContext {
         }
     }
 
-    /// The store key (a SHA-256 of the scope and the client's key), useful in logs.
+    /// The store key (an HKDF-SHA256 of the scope and the client's key under the server
+    /// secret: never the raw key), useful in logs.
     ///
     /// ```
     /// # fn f(ctx: tower_idempotency::IdempotencyContext) {

@@ -12,7 +12,9 @@
 //! Sources combine with [`KeySourceExt::or`]: `header().or(json("/id"))` takes the header when
 //! present and the event id otherwise.
 //!
-//! The raw key never reaches the store: the store key is a SHA-256 of the scope and the key.
+//! The raw key never reaches the store: the store key is an HKDF-SHA256 of the scope and the
+//! key under the server secret (see [`crate::secret`]). A key that names a thing (a body field,
+//! a path or query parameter, a closure's) is guessable: the layer refuses it without a secret.
 
 use std::fmt;
 
@@ -71,6 +73,16 @@ pub trait KeySource: Send + Sync + 'static {
         true
     }
 
+    /// Whether whoever reads the store could guess the key: a phone number, an e-mail, an
+    /// order id (a body field, a path or query parameter), as opposed to the random key a client
+    /// sends in a header. A layer whose key may be guessable needs a server secret
+    /// ([`secret`](crate::IdempotencyLayerBuilder::secret)), without which names and records
+    /// in the store derive from the key alone. Closures and other sources are assumed
+    /// guessable.
+    fn guessable(&self) -> bool {
+        true
+    }
+
     /// Whether the key may come from a path parameter: the layer then collects the parameters
     /// the router matched (see [`path`]).
     fn uses_path_params(&self) -> bool {
@@ -109,6 +121,10 @@ impl KeySource for Box<dyn KeySource> {
 
     fn client_chosen(&self) -> bool {
         (**self).client_chosen()
+    }
+
+    fn guessable(&self) -> bool {
+        (**self).guessable()
     }
 
     fn uses_path_params(&self) -> bool {
@@ -165,6 +181,10 @@ impl<A: KeySource, B: KeySource> KeySource for Or<A, B> {
 
     fn client_chosen(&self) -> bool {
         self.0.client_chosen() || self.1.client_chosen()
+    }
+
+    fn guessable(&self) -> bool {
+        self.0.guessable() || self.1.guessable()
     }
 
     fn uses_path_params(&self) -> bool {
@@ -275,6 +295,11 @@ impl KeySource for HeaderKey {
     }
 
     fn needs_body(&self) -> bool {
+        false
+    }
+
+    /// A key a client makes up (a UUID, as the IETF draft asks), not a thing anyone can name.
+    fn guessable(&self) -> bool {
         false
     }
 }
@@ -649,14 +674,16 @@ pub struct RouteTemplate(pub String);
 
 /// The route template: axum's `MatchedPath`, else a [`RouteTemplate`] extension.
 pub(crate) fn route_template(parts: &Parts) -> Option<&str> {
+    template_in(&parts.extensions)
+}
+
+/// [`route_template`] from a request's extensions.
+pub(crate) fn template_in(extensions: &http::Extensions) -> Option<&str> {
     #[cfg(feature = "axum")]
-    if let Some(matched) = parts.extensions.get::<axum::extract::MatchedPath>() {
+    if let Some(matched) = extensions.get::<axum::extract::MatchedPath>() {
         return Some(matched.as_str());
     }
-    parts
-        .extensions
-        .get::<RouteTemplate>()
-        .map(|t| t.0.as_str())
+    extensions.get::<RouteTemplate>().map(|t| t.0.as_str())
 }
 
 /// The path and query the client sent: axum's `OriginalUri` (a nested router sees the path

@@ -415,8 +415,11 @@ impl IdempotencyLayerBuilder {
     /// and its scope (see the `secret` module). Without it the same derivations run with an
     /// empty secret: raw input still never reaches the store, but names and fingerprints of
     /// guessable keys (a phone number) can be recovered by enumeration, and whoever knows a key
-    /// can open or forge its record. Keys read from the request body (a phone number, an
-    /// e-mail) are refused without a secret.
+    /// can open or forge its record. Keys that name a thing, and so can be guessed, are
+    /// refused without a secret: read from the body (a phone number, an e-mail), from the path
+    /// or the query (an order id), or by a closure (see
+    /// [`KeySource::guessable`](crate::key::KeySource::guessable)). A header key, which the
+    /// client makes up, is not.
     ///
     /// Rotating the secret: records stored under the old one simply stop matching (a retry
     /// that arrives after the rotation runs the handler again), so rotate when that is
@@ -950,13 +953,13 @@ impl IdempotencyLayerBuilder {
                 ),
             );
         }
-        if self.secret.is_none() && self.key.needs_body() {
+        if self.secret.is_none() && self.key.guessable() {
             return invalid(
                 "secret",
                 format!(
-                    "the key comes from {}: such keys (phone numbers, e-mails) are guessable, and \
-                     without a server secret their names and records in the store can be recovered \
-                     and forged: set .secret(...)",
+                    "the key comes from {}: such keys (phone numbers, e-mails, order ids) are \
+                     guessable, and without a server secret their names and records in the store \
+                     can be recovered and forged: set .secret(...)",
                     self.key.describe()
                 ),
             );
@@ -1138,8 +1141,18 @@ mod tests {
                     .principal(|_: &http::request::Parts| None),
                 "principal",
             ),
-            // A guessable key from the body needs a secret.
+            // A guessable key needs a secret: from the body, and as much from the path or the
+            // query (a phone number in `/users/{phone}`, an order id), also behind a header.
             (bare().key(key::json("/phone").unwrap()), "secret"),
+            (bare().key(key::form("email")), "secret"),
+            (bare().key(key::path("phone")), "secret"),
+            (bare().key(key::query("order")), "secret"),
+            (
+                bare()
+                    .global_keys()
+                    .key(key::KeySourceExt::or(key::header(), key::path("id"))),
+                "secret",
+            ),
         ] {
             match builder.build() {
                 Err(ConfigError::Invalid { field: f, reason }) => assert_eq!(f, field, "{reason}"),
@@ -1160,6 +1173,8 @@ mod tests {
                 .build()
                 .is_ok()
         );
+        // A header key (one the client makes up) builds without one.
+        assert!(bare().global_keys().key(key::header()).build().is_ok());
         assert!(bare().secret(b"short").is_err());
         assert!(base().lease(Duration::from_millis(1)).is_err());
         assert!(base().fingerprint_headers(["bad header"]).is_err());

@@ -134,10 +134,12 @@ where
             crate::metrics::count(crate::metrics::Event::Passthrough);
             return ResponseFuture::passthrough(inner, request.map(RequestBody::new));
         }
+        // The route template, never the path itself: a path can hold the key (a phone number
+        // in `/users/{phone}`) or other personal data, and spans may be exported.
         let span = tracing::debug_span!(
             "idempotency",
             method = %request.method(),
-            path = %request.uri().path(),
+            route = crate::key::template_in(request.extensions()).unwrap_or("(no route template)"),
         );
         let begin = crate::begin::begin(self.config.clone(), request, span.clone());
         // No subscriber is interested (the usual case in production): no span to enter.

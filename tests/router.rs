@@ -1019,3 +1019,60 @@ async fn plain_tower_stacks_on_hyper_bodies() {
     assert_eq!(big.status, StatusCode::PAYLOAD_TOO_LARGE, "{big:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// The layer's debug span names the route template, never the path the client sent: with
+/// `key::path("phone")` the path holds a phone number, and spans are exported and logged
+/// (before, the span's `path` field carried `/users/+15550100/verify` into every debug line of
+/// the request and every exported span).
+#[test]
+fn debug_logs_name_the_route_never_the_path() {
+    #[derive(Clone, Default)]
+    struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    tracing::subscriber::with_default(subscriber, || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let (runs, verify) = counting();
+            let app = Router::new()
+                .route("/users/{phone}/verify", post(verify))
+                .layer(
+                    builder(&Store::memory())
+                        .key(key::path("phone"))
+                        .build()
+                        .unwrap(),
+                );
+            let first = send(&app, post_req("/users/+15550100/verify", None, "")).await;
+            let again = send(&app, post_req("/users/+15550100/verify", None, "")).await;
+            assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+            assert!(again.replayed(), "{again:?}");
+            assert_eq!(runs.load(Ordering::SeqCst), 1);
+        });
+    });
+    let logs = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    assert!(
+        logs.contains("route=\"/users/{phone}/verify\""),
+        "the span names the route: {logs}"
+    );
+    assert!(
+        !logs.contains("15550100"),
+        "the phone number is in the logs: {logs}"
+    );
+}
