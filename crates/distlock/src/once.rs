@@ -703,8 +703,10 @@ impl Once {
     /// written and on a completed one (a one-part record is its part 0).
     ///
     /// # Errors
-    /// [`LockError::Unavailable`] if the store cannot be reached; [`LockError::Unsupported`] on
-    /// Redlock; [`LockError::BrokenRecord`] if a part of a completed record is missing.
+    /// [`LockError::Unavailable`] if the store cannot be reached (a read that fails for want of
+    /// the store is tried again, with backoff, for up to the command timeout from the first
+    /// failure); [`LockError::Unsupported`] on Redlock; [`LockError::BrokenRecord`] if a part
+    /// of a completed record is missing.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -746,9 +748,9 @@ impl Once {
     /// microseconds), so parts bound to their writer's fence, as the HTTP layer seals them, tell.
     ///
     /// # Errors
-    /// [`LockError::Unavailable`] if the store cannot be reached; [`LockError::Unsupported`] on
-    /// Redlock; from the fallback, [`LockError::BrokenRecord`] for a completed record whose
-    /// parts are gone.
+    /// [`LockError::Unavailable`] if the store cannot be reached (tried again as
+    /// [`parts`](Once::parts) is); [`LockError::Unsupported`] on Redlock; from the fallback,
+    /// [`LockError::BrokenRecord`] for a completed record whose parts are gone.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -768,31 +770,32 @@ impl Once {
             .await
     }
 
-    /// Runs a read (which changes nothing, so it may run twice) until it answers, retrying a
-    /// store out of reach ([`LockError::is_unavailable`]: a dropped connection, a failover)
-    /// with backoff until the command timeout has passed since the first try: a reader in the
-    /// middle of a long record goes on once the store answers again.
+    /// Runs a read (which changes nothing, so it may run twice) until it answers, trying again
+    /// while the store is out of reach ([`LockError::is_unavailable`]: a dropped connection, a
+    /// failover) with backoff, for up to the command timeout from the first failure (counted
+    /// when it is seen: a read nobody polls for a while, a replay's read-ahead behind a slow
+    /// client, still gets its tries); each try has the whole command timeout. A store that
+    /// does not answer within it is not tried again.
     async fn read<T, Fut>(&self, mut read: impl FnMut() -> Fut) -> Result<T, LockError>
     where
         Fut: Future<Output = Result<T, LockError>>,
     {
         let timeout = self.config.op_timeout();
-        let deadline = crate::clock::after(crate::clock::now(), timeout);
         let mut backoff = Backoff::new(self.config.retry_base(), self.config.retry_max());
+        let mut retry_until = None;
         loop {
-            let left = deadline.saturating_duration_since(crate::clock::now());
-            let error = match crate::backend::timed(left, read()).await {
+            let error = match crate::backend::timed(timeout, read()).await {
                 Ok(Ok(read)) => return Ok(read),
                 Ok(Err(error)) => error,
                 Err(_) => return Err(LockError::timeout(self.name.as_str(), false, timeout)),
             };
+            let now = crate::clock::now();
+            let until = *retry_until.get_or_insert_with(|| crate::clock::after(now, timeout));
             let delay = backoff.next_delay();
-            if !error.is_unavailable()
-                || crate::clock::after(crate::clock::now(), delay) >= deadline
-            {
+            if !error.is_unavailable() || crate::clock::after(now, delay) >= until {
                 return Err(error);
             }
-            tracing::debug!(lock = self.name.as_str(), %error, "a read failed; retrying");
+            tracing::debug!(lock = self.name.as_str(), %error, "a read failed; trying again");
             tokio::time::sleep(delay).await;
         }
     }

@@ -422,6 +422,36 @@ async fn a_read_whose_reply_is_lost_is_tried_again() {
     assert_eq!(proxy.dropped(), 3);
 }
 
+/// A read whose connection drops while nobody polls it (a replay's read-ahead behind a client
+/// that reads slowly) still gets its tries when it is polled again, past the command timeout:
+/// the time for trying again counts from when the failure is seen (before, from the first
+/// poll: the read answered `Unavailable` at once, and the replay broke off).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_failed_while_nobody_polled_it_is_still_tried_again() {
+    let (_server, proxy, once, guard) = streaming_through_a_proxy("unpolled-read", ms(900)).await;
+    assert_eq!(guard.append(b"p0").await.unwrap(), 0);
+    guard.complete(b"p1").await.unwrap();
+    proxy.drop_next_replies(1);
+    let mut read = Box::pin(once.stored_parts(0, 10));
+    // One poll: the command leaves; its reply is lost with the connection.
+    std::future::poll_fn(|cx| {
+        let _ = read.as_mut().poll(cx);
+        std::task::Poll::Ready(())
+    })
+    .await;
+    assert!(
+        eventually(ms(2_000), || async { proxy.dropped() == 1 }).await,
+        "the reply was not dropped"
+    );
+    // Nobody polls it for longer than the command timeout.
+    tokio::time::sleep(ms(1_100)).await;
+    let parts = tokio::time::timeout(ms(5_000), read)
+        .await
+        .expect("an answer within 5 s")
+        .expect("tried again once polled");
+    assert_eq!(parts, [&b"p0"[..], b"p1"]);
+}
+
 /// The caller gives up on an append after it was sent (its reply is late): the part may be
 /// stored. Appending the same part again is recognised (index 0 once); another part at that
 /// index is refused as a broken record, never stored next to it.
