@@ -79,7 +79,23 @@ pub(crate) async fn replay<B>(
     // The end says whether the body was kept, and how the execution ended.
     let end = parts - 1;
     let last = match stored.once.parts(end, 1).await {
-        Ok(read) => read.into_parts().into_iter().next(),
+        Ok(read) if read.state() == (RecordState::Done { parts }) => {
+            read.into_parts().into_iter().next()
+        }
+        // Not the record the look found complete: it went (expired at that moment, or lost in
+        // a failover to a replica that never had it), or was begun again since. Not a broken
+        // record: the retry decides on what the store holds now.
+        Ok(read) => {
+            tracing::warn!(
+                key = stored.name,
+                state = ?read.state(),
+                "idempotency: a stored record changed between the look and the read"
+            );
+            let rejection = Rejection::StoreUnavailable {
+                retry_after: config.retry_after,
+            };
+            return (problem(config, &rejection), Event::StoreError);
+        }
         Err(LockError::BrokenRecord { detail, .. }) => return unreadable(config, detail),
         Err(error) => {
             tracing::warn!(%error, "idempotency: could not read a stored record");

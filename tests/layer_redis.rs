@@ -908,3 +908,54 @@ async fn a_replay_goes_on_when_the_store_connection_drops() {
     }
     assert_eq!(probe.runs(), 1);
 }
+
+/// A stored streamed record goes between the look that finds it complete and the read of its
+/// end (it expired at that moment, or a failover to a replica that never had it lost it): the
+/// store holds no record any more, which is not a broken one. The request is answered 503
+/// `store-unavailable`, so that its retry decides on what the store holds now (here it runs
+/// the handler: the record is gone), not 500 `record-unreadable` (before), which tells the
+/// client its outcome is lost for good and logs an integrity alarm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_gone_between_the_look_and_the_read_is_not_reported_broken() {
+    use support::within;
+    let server = RedisServer::start_owned().await;
+    let prefix = testkit::unique_prefix("record-gone");
+    let (a, probe) = app(&redis_store(&server.url(), &prefix).await, |b| b);
+    let hooked = testkit::HookedConnection::new(server.connection().await);
+    let b_client = distlock::LockClient::builder()
+        .prefix(&prefix)
+        .unwrap()
+        .redis(hooked.clone())
+        .unwrap();
+    b_client.prepare().await.unwrap();
+    let b = app_with(&Store::from_client(b_client), &probe, |b| b);
+    let (addr_a, _server_a) = serve(a).await;
+    let (addr_b, _server_b) = serve(b).await;
+    let client = client();
+    let request = || {
+        Request::post("/download?kib=256")
+            .header("idempotency-key", "gone")
+            .header("authorization", "alice")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let first = within("the first response", http(&client, addr_a, request())).await;
+    assert_eq!(first.status, StatusCode::OK, "{first:?}");
+    let mut admin = server.connection().await;
+    let keys: Vec<String> = admin.keys(format!("{prefix}:*")).await.unwrap();
+    assert!(
+        keys.iter().any(|k| k.ends_with(":parts")),
+        "a streamed record: {keys:?}"
+    );
+    hooked.after_reply_to(b"_begin", move || async move {
+        let _: () = admin.del(&keys).await.unwrap();
+    });
+    let replay = within("the replay", http(&client, addr_b, request())).await;
+    assert_eq!(replay.status, StatusCode::SERVICE_UNAVAILABLE, "{replay:?}");
+    assert_eq!(replay.problem(), "store-unavailable");
+    assert_eq!(probe.runs(), 1);
+    let retry = within("the retry", http(&client, addr_b, request())).await;
+    assert_eq!(retry.status, StatusCode::OK, "{retry:?}");
+    assert!(!retry.replayed(), "the record is gone: the handler runs");
+    assert_eq!(probe.runs(), 2);
+}
