@@ -79,12 +79,13 @@ pub(crate) async fn replay<B>(
     // The end says whether the body was kept, and how the execution ended.
     let end = parts - 1;
     let last = match stored.once.parts(end, 1).await {
-        Ok(read) if read.state() == (RecordState::Done { parts }) => {
+        Ok(read) if read.state() == (RecordState::Done { parts }) && read.fence() == head.fence => {
             read.into_parts().into_iter().next()
         }
-        // Not the record the look found complete: it went (expired at that moment, or lost in
-        // a failover to a replica that never had it), or was begun again since. Not a broken
-        // record: the retry decides on what the store holds now.
+        // Not the record the look found complete (its part count, its writer's fence): it went
+        // (expired at that moment, or lost in a failover to a replica that never had it), or
+        // another was stored since. Not a broken record: the retry decides on what the store
+        // holds now.
         Ok(read) => {
             tracing::warn!(
                 key = stored.name,
