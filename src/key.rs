@@ -237,7 +237,9 @@ pub fn header() -> HeaderKey {
     }
 }
 
-/// Another header, with the same rules as [`header()`].
+/// Another header, with the same rules as [`header()`]. Its keys count as ones the client
+/// makes up ([`KeySource::guessable`] is false): a header that carries a thing's name (an
+/// order id, an e-mail) needs the server secret set all the same.
 ///
 /// # Errors
 /// If `name` is not a valid header name.
