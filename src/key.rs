@@ -13,7 +13,8 @@
 //! present and the event id otherwise.
 //!
 //! The raw key never reaches the store: the store key is an HKDF-SHA256 of the scope and the
-//! key under the server secret (see [`crate::secret`]). A key that names a thing (a body field,
+//! key under the server secret (see
+//! [`secret`](crate::IdempotencyLayerBuilder::secret)). A key that names a thing (a body field,
 //! a path or query parameter, a closure's) is guessable: the layer refuses it without a secret.
 
 use std::fmt;

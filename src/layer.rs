@@ -418,7 +418,7 @@ impl IdempotencyLayerBuilder {
     /// can open or forge its record. Keys that name a thing, and so can be guessed, are
     /// refused without a secret: read from the body (a phone number, an e-mail), from the path
     /// or the query (an order id), or by a closure (see
-    /// [`KeySource::guessable`](crate::key::KeySource::guessable)). A header key, which the
+    /// [`KeySource::guessable`]). A header key, which the
     /// client makes up, is not.
     ///
     /// Rotating the secret: records stored under the old one simply stop matching (a retry
