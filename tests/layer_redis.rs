@@ -723,21 +723,20 @@ async fn a_duplicate_during_the_completion_round_trip_gets_the_replay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_joiner_that_finds_the_record_stored_whole_replays_it() {
     use support::within;
-    let server = RedisServer::start_owned().await;
-    let prefix = testkit::unique_prefix("join-whole");
-    let (a, probe) = app(&redis_store(&server.url(), &prefix).await, |b| b);
-    let hooked = testkit::HookedConnection::new(server.connection().await);
-    let b_client = distlock::LockClient::builder()
-        .prefix(&prefix)
-        .unwrap()
-        .redis(hooked.clone())
-        .unwrap();
-    b_client.prepare().await.unwrap();
-    let b = app_with(&Store::from_client(b_client), &probe, |b| {
+    let pair = HookedPair::start("join-whole", |b| {
         b.on_conflict(tower_idempotency::OnConflict::Wait(Duration::from_secs(10)))
-    });
-    let (addr_a, _server_a) = serve(a).await;
-    let (addr_b, _server_b) = serve(b).await;
+    })
+    .await;
+    let HookedPair {
+        server,
+        prefix,
+        probe,
+        hooked,
+        addr_a,
+        addr_b,
+        ..
+    } = &pair;
+    let (prefix, hooked, addr_a, addr_b) = (prefix.as_str(), hooked.clone(), *addr_a, *addr_b);
     let client = client();
     let request = || {
         Request::post("/stream")
@@ -932,19 +931,17 @@ async fn a_record_stored_again_between_the_look_and_the_read_is_not_reported_bro
 
 async fn record_changed_between_the_look_and_the_read(stored_again: bool) {
     use support::within;
-    let server = RedisServer::start_owned().await;
-    let prefix = testkit::unique_prefix("record-gone");
-    let (a, probe) = app(&redis_store(&server.url(), &prefix).await, |b| b);
-    let hooked = testkit::HookedConnection::new(server.connection().await);
-    let b_client = distlock::LockClient::builder()
-        .prefix(&prefix)
-        .unwrap()
-        .redis(hooked.clone())
-        .unwrap();
-    b_client.prepare().await.unwrap();
-    let b = app_with(&Store::from_client(b_client), &probe, |b| b);
-    let (addr_a, _server_a) = serve(a).await;
-    let (addr_b, _server_b) = serve(b).await;
+    let pair = HookedPair::start("record-gone", |b| b).await;
+    let HookedPair {
+        server,
+        prefix,
+        probe,
+        hooked,
+        addr_a,
+        addr_b,
+        ..
+    } = &pair;
+    let (addr_a, addr_b) = (*addr_a, *addr_b);
     let client = client();
     let request = || {
         Request::post("/download?kib=256")
@@ -983,5 +980,50 @@ async fn record_changed_between_the_look_and_the_read(stored_again: bool) {
     } else {
         assert!(!retry.replayed(), "the record is gone: the handler runs");
         assert_eq!(probe.runs(), 2);
+    }
+}
+
+/// Two instances of the test service on one Redis: A connected directly, B through a
+/// `HookedConnection`, so that a test can hold B's commands or act between them; `configure`
+/// sets B's layer. The servers stop when this is dropped.
+struct HookedPair {
+    server: RedisServer,
+    prefix: String,
+    probe: support::Probe,
+    hooked: testkit::HookedConnection,
+    addr_a: std::net::SocketAddr,
+    addr_b: std::net::SocketAddr,
+    _servers: [tokio::task::JoinHandle<()>; 2],
+}
+
+impl HookedPair {
+    async fn start(
+        test: &str,
+        configure: impl FnOnce(
+            tower_idempotency::IdempotencyLayerBuilder,
+        ) -> tower_idempotency::IdempotencyLayerBuilder,
+    ) -> Self {
+        let server = RedisServer::start_owned().await;
+        let prefix = testkit::unique_prefix(test);
+        let (a, probe) = app(&redis_store(&server.url(), &prefix).await, |b| b);
+        let hooked = testkit::HookedConnection::new(server.connection().await);
+        let b_client = distlock::LockClient::builder()
+            .prefix(&prefix)
+            .unwrap()
+            .redis(hooked.clone())
+            .unwrap();
+        b_client.prepare().await.unwrap();
+        let b = app_with(&Store::from_client(b_client), &probe, configure);
+        let (addr_a, server_a) = serve(a).await;
+        let (addr_b, server_b) = serve(b).await;
+        HookedPair {
+            server,
+            prefix,
+            probe,
+            hooked,
+            addr_a,
+            addr_b,
+            _servers: [server_a, server_b],
+        }
     }
 }
