@@ -14,6 +14,7 @@
 //! cargo bench --bench stream                 # 5 rounds
 //! BENCH_ROUNDS=9 cargo bench --bench stream
 //! cargo bench --bench stream -- --profile ttfb memory 2000   # one loop, for perf
+//! cargo bench --bench stream -- --profile replay memory 50   # 50 replays of 10 MiB
 //! ```
 
 mod common;
@@ -209,8 +210,11 @@ async fn ping_rtt(mut conn: redis::aio::MultiplexedConnection, pause: Duration, 
 }
 
 /// `--profile ttfb <none|memory|redis> <n>`: only the time-to-first-byte loop, `n` requests
-/// on one variant, for `perf stat` / `perf record` (prints the p50).
+/// on one variant; `--profile replay <none|memory|redis> <n>`: `n` transfers of a 10 MiB
+/// record (a handler serving it, for `none`); for `perf stat` / `perf record` (prints the p50,
+/// or the median throughput).
 fn profile(args: &[String], servers: &tokio::runtime::Runtime, client: &tokio::runtime::Runtime) {
+    let what = args.first().map_or("ttfb", String::as_str);
     let variant = args.get(1).map_or("memory", String::as_str);
     let n: usize = args.get(2).and_then(|n| n.parse().ok()).unwrap_or(2_000);
     let redis = (variant == "redis").then(|| client.block_on(RedisServer::start_owned()));
@@ -227,6 +231,25 @@ fn profile(args: &[String], servers: &tokio::runtime::Runtime, client: &tokio::r
         tokio::spawn(async move { axum::serve(listener, app(store)).await.unwrap() });
         addr
     });
+    if what == "replay" {
+        let path = "/download?mib=10";
+        let key = if variant == "none" { "-" } else { "stored" };
+        let mut rates = client.block_on(async {
+            throughput(addr, path, key).await;
+            let mut rates = Vec::with_capacity(n);
+            for _ in 0..n {
+                rates.push(throughput(addr, path, key).await);
+            }
+            rates
+        });
+        rates.sort_by(f64::total_cmp);
+        let median = rates.get(rates.len() / 2).copied().unwrap_or(f64::NAN);
+        println!(
+            "replay {variant}, {n} transfers of 10 MiB: median {:.0} MB/s",
+            median / 1e6
+        );
+        return;
+    }
     let (p50, idle) = client.block_on(ttfb(addr, "profile", n));
     println!(
         "TTFB {variant}, {n} requests: p50 {p50:.0} µs, servers idle before each {idle:.0} µs"

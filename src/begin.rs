@@ -24,8 +24,9 @@ use crate::{IdempotencyContext, Rejection};
 pub(crate) struct Run {
     pub(crate) guard: OnceGuard,
     pub(crate) fingerprint: [u8; 32],
-    /// The AES-256-GCM key of the record (derived from the raw key, its scope and the secret).
-    pub(crate) record_key: [u8; 32],
+    /// The AES-256-GCM key of the record (derived from the raw key, its scope and the secret);
+    /// `None` on the in-memory store, which keeps records in clear (see `record::seal`).
+    pub(crate) record_key: Option<[u8; 32]>,
     pub(crate) config: Arc<Config>,
     /// The handler's decision through its context, if it made one.
     pub(crate) decision: Arc<DecisionCell>,
@@ -168,7 +169,13 @@ where
             }
         },
     };
-    let derived = derive(&config.keys, &parts, principal.as_deref(), &key);
+    let derived = derive(
+        &config.keys,
+        &parts,
+        principal.as_deref(),
+        &key,
+        config.seal,
+    );
     let name = derived.name;
     let fingerprint = fingerprint(
         config.keys.fingerprinter(),
@@ -244,7 +251,7 @@ where
         Ok(Begin::Done(record)) => {
             let stored = Stored {
                 once: &once,
-                key: &derived.record_key,
+                key: derived.record_key.as_ref(),
                 name: &name,
                 fingerprint: &fingerprint,
                 request: &parts,
@@ -266,7 +273,7 @@ where
             // The first execution is streaming its response: follow it live.
             let stored = Stored {
                 once: &once,
-                key: &derived.record_key,
+                key: derived.record_key.as_ref(),
                 name: &name,
                 fingerprint: &fingerprint,
                 request: &parts,

@@ -22,7 +22,7 @@ use crate::replay;
 impl Run {
     /// The cipher of this execution's record.
     pub(crate) fn sealer(&self) -> Sealer<'_> {
-        Sealer::new(&self.record_key, self.guard.guard().name())
+        Sealer::of(self.record_key.as_ref(), self.guard.guard().name())
     }
 
     /// The head of this execution's record for a response (`vary`: see [`negotiated`]). A

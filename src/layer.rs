@@ -201,6 +201,9 @@ pub(crate) struct Config {
     pub(crate) fail_open: bool,
     pub(crate) cover_unmatched: bool,
     pub(crate) rendering: Rendering,
+    /// Whether records are sealed: on every store but the in-memory one, whose records never
+    /// leave the process (see `record::seal`).
+    pub(crate) seal: bool,
 }
 
 impl Config {
@@ -1036,8 +1039,10 @@ impl IdempotencyLayerBuilder {
                 );
             }
         }
+        let seal = store.client().memory_limits().is_none();
         Ok(IdempotencyLayer {
             config: Arc::new(Config {
+                seal,
                 store,
                 keys: Keys::new(self.secret.as_deref()),
                 key: self.key,

@@ -236,8 +236,8 @@ pub mod internals {
         parts: &http::request::Parts,
         key: &str,
     ) -> ([u8; 32], String) {
-        let derived = crate::scope::derive(&keys.0, parts, None, key);
-        (derived.record_key, derived.name)
+        let derived = crate::scope::derive(&keys.0, parts, None, key, true);
+        (derived.record_key.unwrap_or_default(), derived.name)
     }
 
     /// Server keys from a secret.

@@ -40,7 +40,8 @@ pub(crate) fn problem<B>(config: &Config, rejection: &Rejection) -> Response<Res
 /// What a request knows about the record it replays.
 pub(crate) struct Stored<'a> {
     pub(crate) once: &'a Once,
-    pub(crate) key: &'a [u8; 32],
+    /// The record key; `None` for records kept in clear (the in-memory store).
+    pub(crate) key: Option<&'a [u8; 32]>,
     pub(crate) name: &'a str,
     pub(crate) fingerprint: &'a [u8; 32],
     pub(crate) request: &'a http::request::Parts,
@@ -60,7 +61,7 @@ pub(crate) async fn replay<B>(
     stored: Stored<'_>,
     record: distlock::once::Record,
 ) -> (Response<ResponseBody<B>>, Event) {
-    let sealer = Sealer::new(stored.key, stored.name);
+    let sealer = Sealer::of(stored.key, stored.name);
     let parts = record.parts();
     let head = match sealer.open_part(0, 0, record.first()) {
         Ok(Part::Whole(whole)) if parts == 1 => return replay_whole(config, &stored, whole),
@@ -148,7 +149,7 @@ pub(crate) async fn join<B>(
     stored: Stored<'_>,
     writer: u64,
 ) -> (Response<ResponseBody<B>>, Event) {
-    let sealer = Sealer::new(stored.key, stored.name);
+    let sealer = Sealer::of(stored.key, stored.name);
     let mut follower = stored.once.follow(0).expect_writer(writer);
     let until =
         tokio::time::Instant::now().into_std() + config.store.client().config().op_timeout();
@@ -459,7 +460,7 @@ fn streamed<B>(
     config: &Arc<Config>,
     head: Head,
     source: Source,
-    key: &[u8; 32],
+    key: Option<&[u8; 32]>,
     name: &str,
 ) -> Response<ResponseBody<B>> {
     // Driven by the body: a client that reads nothing holds nothing.
@@ -469,7 +470,7 @@ fn streamed<B>(
         source,
         length,
         feed,
-        (config.clone(), *key, name.to_owned()),
+        (config.clone(), key.copied(), name.to_owned()),
         head.fence,
     );
     // The body drives the reading while the client reads; dropping it stops the reading.
@@ -496,10 +497,10 @@ async fn read(
     mut source: Source,
     limit: Option<u64>,
     mut feed: Feed,
-    (config, key, name): (Arc<Config>, [u8; 32], String),
+    (config, key, name): (Arc<Config>, Option<[u8; 32]>, String),
     writer: u64,
 ) {
-    let sealer = Sealer::new(&key, &name);
+    let sealer = Sealer::of(key.as_ref(), &name);
     let mut next = 1u64;
     let mut len = 0u64;
     // `limit`, the announced length: no chunk may take the body past it (the server would cut

@@ -13,7 +13,13 @@ use crate::secret::{Derived, Keys};
 
 /// The store name and record key of `key` on this request, for `principal` (`None`: keys are
 /// global).
-pub(crate) fn derive(keys: &Keys, parts: &Parts, principal: Option<&str>, key: &str) -> Derived {
+pub(crate) fn derive(
+    keys: &Keys,
+    parts: &Parts,
+    principal: Option<&str>,
+    key: &str,
+    sealed: bool,
+) -> Derived {
     let method = parts.method.as_str().as_bytes();
     let route = route_template(parts).unwrap_or(parts.uri.path()).as_bytes();
     let (scoped, who): (&[u8], &[u8]) = match principal {
@@ -24,18 +30,21 @@ pub(crate) fn derive(keys: &Keys, parts: &Parts, principal: Option<&str>, key: &
     let (l_method, l_route, l_who, l_key) =
         (len(method), len(route), len(who), len(key.as_bytes()));
     // Length-prefixed fields: field boundaries cannot be forged.
-    keys.derive(&[
-        b"tower-idempotency/scope/v3",
-        &l_method,
-        method,
-        &l_route,
-        route,
-        scoped,
-        &l_who,
-        who,
-        &l_key,
-        key.as_bytes(),
-    ])
+    keys.derive(
+        &[
+            b"tower-idempotency/scope/v3",
+            &l_method,
+            method,
+            &l_route,
+            route,
+            scoped,
+            &l_who,
+            who,
+            &l_key,
+            key.as_bytes(),
+        ],
+        sealed,
+    )
 }
 
 #[cfg(test)]
@@ -56,8 +65,9 @@ mod tests {
     #[test]
     fn scope_separates_methods_routes_and_principals() {
         let keys = Keys::new(Some(b"a server secret, 32 bytes long.."));
-        let name =
-            |method, uri, who: Option<&str>, key| derive(&keys, &parts(method, uri), who, key).name;
+        let name = |method, uri, who: Option<&str>, key| {
+            derive(&keys, &parts(method, uri), who, key, true).name
+        };
         let a = name("POST", "/pay", Some("alice"), "k1");
         assert_eq!(a.len(), 64);
         assert!(
@@ -87,8 +97,8 @@ mod tests {
         two.extensions
             .insert(RouteTemplate("/orders/{id}/pay".into()));
         assert_eq!(
-            derive(&keys, &one, None, "k").name,
-            derive(&keys, &two, None, "k").name
+            derive(&keys, &one, None, "k", true).name,
+            derive(&keys, &two, None, "k", true).name
         );
     }
 }

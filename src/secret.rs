@@ -4,7 +4,9 @@
 //!   fingerprint key (`HKDF-Expand(PRK, "fingerprint")`).
 //! * Per request, one `HKDF-Expand(PRK, scope ‖ raw key, 64 bytes)`: the first 32 bytes name
 //!   the key in the store, the last 32 are the AES-256-GCM key of its record. The record can
-//!   only be opened (or forged) with the raw idempotency key, its scope and the secret.
+//!   only be opened (or forged) with the raw idempotency key, its scope and the secret. (On the
+//!   in-memory store, whose records stay in the process unsealed, 32 bytes: the name, the same
+//!   as the first 32 of the 64.)
 //! * The request fingerprint is an HMAC-SHA256 under the fingerprint key.
 //!
 //! Without a secret the same derivations run with an empty one: nothing raw reaches the store,
@@ -42,8 +44,9 @@ impl std::fmt::Debug for Keys {
 pub(crate) struct Derived {
     /// The name of the key in the store: 64 hex digits.
     pub(crate) name: String,
-    /// The AES-256-GCM key of its record.
-    pub(crate) record_key: [u8; 32],
+    /// The AES-256-GCM key of its record (`None` when none was asked for: a record kept in
+    /// clear, by the in-memory store).
+    pub(crate) record_key: Option<[u8; 32]>,
 }
 
 impl Keys {
@@ -69,14 +72,19 @@ impl Keys {
         self.secret
     }
 
-    /// The store name and record key of the key whose scope and value are `info` (fields
-    /// already length-prefixed by the caller).
-    pub(crate) fn derive(&self, info: &[&[u8]]) -> Derived {
+    /// The store name and (`sealed`) record key of the key whose scope and value are `info`
+    /// (fields already length-prefixed by the caller). HKDF's output is a stream: the name is
+    /// the same whether the record key is derived after it or not.
+    pub(crate) fn derive(&self, info: &[&[u8]], sealed: bool) -> Derived {
         let mut okm = [0u8; 64];
-        // 64 bytes is always a valid HKDF-SHA256 output length.
-        let _ = self.hkdf.expand_multi_info(info, &mut okm);
-        let mut record_key = [0u8; 32];
-        record_key.copy_from_slice(&okm[32..]);
+        let len = if sealed { 64 } else { 32 };
+        // 32 and 64 bytes are valid HKDF-SHA256 output lengths (at most 255 × 32).
+        let _ = self.hkdf.expand_multi_info(info, &mut okm[..len]);
+        let record_key = sealed.then(|| {
+            let mut key = [0u8; 32];
+            key.copy_from_slice(&okm[32..]);
+            key
+        });
         Derived {
             name: hex(&okm[..32]),
             record_key,
@@ -109,14 +117,23 @@ mod tests {
         let a = Keys::new(Some(b"0123456789abcdef-a"));
         let b = Keys::new(Some(b"0123456789abcdef-b"));
         let info: &[&[u8]] = &[b"scope", b"+15550100"];
-        let (n, ka, kb) = (none.derive(info), a.derive(info), b.derive(info));
+        let (n, ka, kb) = (
+            none.derive(info, true),
+            a.derive(info, true),
+            b.derive(info, true),
+        );
         assert_eq!(n.name.len(), 64);
         assert_ne!(n.name, ka.name);
         assert_ne!(ka.name, kb.name);
         assert_ne!(ka.record_key, kb.record_key);
-        assert_eq!(ka.name, a.derive(info).name, "deterministic");
-        assert_ne!(ka.name, a.derive(&[b"scope", b"+15550101"]).name);
+        assert_eq!(ka.name, a.derive(info, true).name, "deterministic");
+        assert_ne!(ka.name, a.derive(&[b"scope", b"+15550101"], true).name);
         // The name and the record key are independent halves.
-        assert_ne!(&hex(&ka.record_key), &ka.name);
+        let record_key = ka.record_key.unwrap();
+        assert_ne!(&hex(&record_key), &ka.name);
+        // Without the record key, the same name.
+        let unsealed = a.derive(info, false);
+        assert_eq!(unsealed.name, ka.name);
+        assert_eq!(unsealed.record_key, None);
     }
 }

@@ -9,6 +9,10 @@
 //! another execution, or of an older format version) is reported: the layer answers 500
 //! `record-unreadable` (or breaks off a body it was replaying), never replays it, and never
 //! runs the handler again for it.
+//!
+//! The in-memory store is the exception: its records never leave the process, and it keeps
+//! them in clear, bound to their index and writer ([`Sealer::plain`]), so that a replay hands
+//! out the stored bytes instead of a decrypted copy.
 
 mod format;
 mod seal;

@@ -7,6 +7,19 @@
 //! tag            16 bytes
 //! ```
 //!
+//! The in-memory store keeps its parts in clear, in an envelope of the same size that binds
+//! them to their index and writer ([`Sealer::plain`]): its records never leave the process,
+//! so there is no one to hide them from or to forge them, and a part it hands back is the
+//! plaintext itself, not a copy to decrypt. Each opener reads only its own kind of envelope:
+//! a part in clear found in Redis is refused like any forged one.
+//!
+//! ```text
+//! "TIR" 0x83     magic and format version (0x80 | the sealed version)
+//! writer         8 bytes, big-endian
+//! index          4 bytes, big-endian
+//! plaintext
+//! ```
+//!
 //! Associated data: magic and version, the store name of the key, the part's index, and the
 //! writer (the fencing token of the execution that wrote a streamed record's parts after its
 //! first; 0 for the first part). The key is derived from the raw idempotency key, its scope and
@@ -27,13 +40,16 @@ use ring::aead::{AES_256_GCM, Aad, LessSafeKey, Nonce, UnboundKey};
 const MAGIC: &[u8; 3] = b"TIR";
 /// The format version this build writes and reads.
 pub(crate) const VERSION: u8 = 3;
+/// The same version, in clear (the in-memory store's parts).
+const PLAIN: u8 = 0x80 | VERSION;
 /// Envelope bytes before the ciphertext.
 pub(crate) const HEADER: usize = 4 + 12;
 const TAG: usize = 16;
 
-/// The cipher of one record.
+/// The cipher of one record (or none, for the in-memory store: [`plain`](Sealer::plain)).
 pub(crate) struct Sealer<'a> {
-    cipher: LessSafeKey,
+    /// `None`: parts are kept in clear, bound to their index and writer.
+    cipher: Option<LessSafeKey>,
     name: &'a str,
 }
 
@@ -42,8 +58,22 @@ impl<'a> Sealer<'a> {
         // ring refuses only a key of the wrong length; this one is 32 bytes by its type.
         let key = UnboundKey::new(&AES_256_GCM, key).expect("a 32-byte AES-256 key");
         Sealer {
-            cipher: LessSafeKey::new(key),
+            cipher: Some(LessSafeKey::new(key)),
             name,
+        }
+    }
+
+    /// Parts in clear, for a store in this process (see the module docs).
+    pub(crate) fn plain(name: &'a str) -> Self {
+        Sealer { cipher: None, name }
+    }
+
+    /// Sealed under `key`, or in clear without one (the layer derives no record key for the
+    /// in-memory store).
+    pub(crate) fn of(key: Option<&[u8; 32]>, name: &'a str) -> Self {
+        match key {
+            Some(key) => Sealer::new(key, name),
+            None => Sealer::plain(name),
         }
     }
 
@@ -68,12 +98,20 @@ impl<'a> Sealer<'a> {
     /// Seals in place a buffer from [`buffer`](Self::buffer) whose plaintext follows the
     /// header: part `part` of writer `writer`.
     pub(crate) fn seal_buffer(&self, part: u64, writer: u64, mut out: Vec<u8>) -> Vec<u8> {
+        out[..3].copy_from_slice(MAGIC);
+        let Some(cipher) = &self.cipher else {
+            // An index beyond 32 bits (a record of over four billion parts) gets a version
+            // no build reads: it never opens, never as someone else's part.
+            out[3] = u32::try_from(part).map_or(0, |_| PLAIN);
+            out[4..12].copy_from_slice(&writer.to_be_bytes());
+            out[12..HEADER].copy_from_slice(&(part as u32).to_be_bytes());
+            return out;
+        };
         let mut nonce = [0u8; 12];
         rand::fill(&mut nonce);
-        out[..3].copy_from_slice(MAGIC);
         out[3] = VERSION;
         out[4..HEADER].copy_from_slice(&nonce);
-        match self.cipher.seal_in_place_separate_tag(
+        match cipher.seal_in_place_separate_tag(
             Nonce::assume_unique_for_key(nonce),
             Aad::from(self.aad(part, writer)),
             &mut out[HEADER..],
@@ -108,13 +146,18 @@ impl<'a> Sealer<'a> {
     /// Opens part `part` of writer `writer`: its plaintext, or why it cannot be read (corrupt,
     /// forged, moved, of another writer, or of another format version). Opened where it lies
     /// when nothing else holds its bytes (a part just read from Redis), without copying the
-    /// body; copied first otherwise (a part the memory store keeps).
+    /// body; copied first otherwise. A part in clear (the memory store's) is its plaintext,
+    /// shared, once its index and writer are checked.
     pub(crate) fn open_owned(
         &self,
         part: u64,
         writer: u64,
         sealed: Bytes,
     ) -> Result<Bytes, String> {
+        let Some(cipher) = &self.cipher else {
+            check_plain(&sealed, part, writer)?;
+            return Ok(sealed.slice(HEADER..));
+        };
         let nonce = check(&sealed)?;
         // The ciphertext and tag; the plaintext is the ciphertext's length, where it was.
         let mut sealed = match sealed.try_into_mut() {
@@ -124,8 +167,7 @@ impl<'a> Sealer<'a> {
             }
             Err(shared) => BytesMut::from(&shared[HEADER..]),
         };
-        let len = self
-            .cipher
+        let len = cipher
             .open_in_place(
                 Nonce::assume_unique_for_key(nonce),
                 Aad::from(self.aad(part, writer)),
@@ -140,6 +182,33 @@ impl<'a> Sealer<'a> {
         sealed.truncate(len);
         Ok(sealed.freeze())
     }
+}
+
+/// Checks a part in clear: its envelope, index and writer.
+fn check_plain(part: &[u8], index: u64, writer: u64) -> Result<(), String> {
+    if part.len() < 4 || &part[..3] != MAGIC {
+        return Err("not a tower-idempotency record".into());
+    }
+    if part[3] != PLAIN {
+        return Err(format!(
+            "record format version {} is not supported here (this store keeps version {PLAIN})",
+            part[3]
+        ));
+    }
+    if part.len() < HEADER {
+        return Err(format!("truncated record ({} bytes)", part.len()));
+    }
+    let bound = |range: std::ops::Range<usize>| {
+        part[range]
+            .iter()
+            .fold(0u64, |n, b| (n << 8) | u64::from(*b))
+    };
+    if bound(4..12) != writer
+        || u32::try_from(index).map_or(true, |i| bound(12..HEADER) != u64::from(i))
+    {
+        return Err("the part belongs to another index or writer".into());
+    }
+    Ok(())
 }
 
 /// Checks a sealed part's envelope (magic, version, length): its nonce.
@@ -233,6 +302,55 @@ mod tests {
         let in_place = n1.seal_buffer(3, 7, buffer);
         assert_eq!(&n1.open(3, 7, &in_place).unwrap()[..], b"data");
         assert!(n1.open(3, 8, &in_place).is_err(), "another writer's part");
+    }
+
+    /// The in-memory store's parts: in clear, handed back as they are (shared, not copied),
+    /// bound to their index and writer; and never mistaken for sealed ones, either way (a
+    /// part in clear written into Redis does not open there).
+    #[test]
+    fn parts_in_clear_are_bound_and_never_taken_for_sealed_ones() {
+        let plain = Sealer::plain("n1");
+        let data = b"+15550100 Ada Lovelace";
+        let mut buffer = Sealer::buffer(data.len());
+        buffer.extend_from_slice(data);
+        let part = Bytes::from(plain.seal_buffer(3, 7, buffer));
+        assert_eq!(part.len(), HEADER + data.len(), "no tag");
+        let at = part.as_ptr() as usize;
+        let opened = plain.open_owned(3, 7, part.clone()).unwrap();
+        assert_eq!(&opened[..], data);
+        assert_eq!(opened.as_ptr() as usize, at + HEADER, "shared, not copied");
+        assert!(
+            plain.open_owned(4, 7, part.clone()).is_err(),
+            "another index"
+        );
+        assert!(
+            plain.open_owned(3, 8, part.clone()).is_err(),
+            "another writer"
+        );
+        let sealed = Sealer::new(&[7u8; 32], "n1");
+        assert!(
+            sealed.open_owned(3, 7, part.clone()).is_err(),
+            "a part in clear does not open as a sealed one"
+        );
+        let real = Bytes::from(sealed.seal(3, 7, |out, _| out.extend_from_slice(data)));
+        assert!(
+            plain.open_owned(3, 7, real).is_err(),
+            "nor a sealed part as one in clear"
+        );
+        for len in 0..HEADER {
+            assert!(plain.open_owned(3, 7, part.slice(..len)).is_err(), "{len}");
+        }
+        // An index beyond 32 bits never opens, not even as another index.
+        let far = u64::from(u32::MAX) + 4;
+        let part = Bytes::from(plain.seal_buffer(far, 7, Sealer::buffer(0)));
+        assert!(plain.open_owned(far, 7, part.clone()).is_err());
+        assert!(plain.open_owned(3, 7, part).is_err());
+        // The helpers a record is written with, in clear.
+        let whole = plain.seal_unknown(2, 9);
+        assert!(matches!(
+            plain.open_part(2, 9, &whole),
+            Ok(crate::record::Part::Unknown)
+        ));
     }
 
     #[test]
