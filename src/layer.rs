@@ -415,7 +415,9 @@ impl IdempotencyLayerBuilder {
     /// With it, nothing in the store can be computed or forged without it: the store name of a
     /// key and the request fingerprint are HMAC-SHA256 under keys derived from it, and each
     /// record is sealed with AES-256-GCM under a key derived from it, the raw idempotency key
-    /// and its scope (see the `secret` module). Without it the same derivations run with an
+    /// and its scope (see the `secret` module). That is for the stores outside the process
+    /// (Redis, Cluster, Sentinel, Redlock): the in-memory store keeps its records in clear,
+    /// where only the process can read them. Without it the same derivations run with an
     /// empty secret: raw input still never reaches the store, but names and fingerprints of
     /// guessable keys (a phone number) can be recovered by enumeration, and whoever knows a key
     /// can open or forge its record. Keys that name a thing, and so can be guessed, are

@@ -25,9 +25,10 @@
 //!    or query parameter, or a closure ([`key`]). It is scoped to the method, the matched route
 //!    and the principal ([`principal`]; a key chosen by clients needs one, or the explicit
 //!    [`global_keys`](IdempotencyLayerBuilder::global_keys)). With the server
-//!    [`secret`](IdempotencyLayerBuilder::secret), the store sees only keyed hashes, records
-//!    sealed with AES-256-GCM, lease tokens and fence counters: nothing readable or forgeable
-//!    without the request and the secret.
+//!    [`secret`](IdempotencyLayerBuilder::secret), Redis (Cluster, Sentinel, Redlock) sees only
+//!    keyed hashes, records sealed with AES-256-GCM, lease tokens and fence counters: nothing
+//!    readable or forgeable without the request and the secret. (The in-memory store, which
+//!    never leaves the process, keeps its records in clear.)
 //! 2. **Fingerprint**: HMAC-SHA256 (under the server secret) of the method, path, chosen headers and body. A key reused for a
 //!    different request gets **422**.
 //! 3. **Begin**, one atomic step in the store: a stored response is **replayed** (same status,

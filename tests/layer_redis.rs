@@ -1027,3 +1027,58 @@ impl HookedPair {
         }
     }
 }
+
+/// Where records are sealed: on Redis (every store outside the process), a part is the
+/// AES-256-GCM envelope (version 3) and holds none of the response; on the in-memory store it
+/// is kept in clear (version 0x83), which only the process can read. Also when the layer's
+/// own lease settings rebuild the store's client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_are_sealed_on_redis_and_kept_in_clear_in_memory() {
+    use axum::routing::post;
+    use std::sync::{Arc, Mutex};
+    use tower_idempotency::{IdempotencyContext, IdempotencyLayer};
+    let server = RedisServer::start().await;
+    let redis = redis_store(&server.url(), &testkit::unique_prefix("sealed-where")).await;
+    for (store, sealed) in [(Store::memory(), false), (redis, true)] {
+        for lease in [false, true] {
+            let name = Arc::new(Mutex::new(String::new()));
+            let seen = name.clone();
+            let handler = move |ctx: IdempotencyContext| {
+                *seen.lock().unwrap() = ctx.key().to_owned();
+                std::future::ready((StatusCode::CREATED, "+15550100 Ada Lovelace"))
+            };
+            let mut builder = IdempotencyLayer::builder(store.clone())
+                .secret(support::SECRET)
+                .unwrap()
+                .global_keys();
+            if lease {
+                builder = builder.lease(Duration::from_secs(20)).unwrap();
+            }
+            let app = axum::Router::new()
+                .route("/signup", post(handler))
+                .layer(builder.build().unwrap());
+            let key = format!("k-{lease}");
+            let reply = send(&app, post_key("/signup", &key, "{}")).await;
+            assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+            let name = name.lock().unwrap().clone();
+            let read = store
+                .client()
+                .once(&name)
+                .unwrap()
+                .parts(0, 1)
+                .await
+                .unwrap();
+            let part = &read.parts()[0];
+            let stored = |needle: &[u8]| part.windows(needle.len()).any(|w| w == needle);
+            assert_eq!(&part[..3], b"TIR");
+            if sealed {
+                assert_eq!(part[3], 0x03, "sealed on Redis (lease: {lease})");
+                assert!(!stored(b"+15550100"), "nothing of the response in Redis");
+            } else {
+                assert_eq!(part[3], 0x83, "in clear in memory (lease: {lease})");
+                assert!(stored(b"+15550100"));
+            }
+            assert!(send(&app, post_key("/signup", &key, "{}")).await.replayed());
+        }
+    }
+}

@@ -1,6 +1,7 @@
-//! The stored outcome of a request: versioned binary parts, each sealed with AES-256-GCM.
+//! The stored outcome of a request: versioned binary parts, each sealed with AES-256-GCM on the
+//! stores outside the process.
 //!
-//! Nothing of a response reaches the store in clear: the record (status, kept headers, body,
+//! Nothing of a response reaches Redis (Cluster, Sentinel, Redlock) in clear: the record (status, kept headers, body,
 //! trailers, the request fingerprint) is encrypted under a key derived from the raw
 //! idempotency key, its scope and the server secret ([`crate::secret`]), and bound to the
 //! store name it lives under, its part index and its writer ([`seal`]). A small response is one
@@ -12,7 +13,9 @@
 //!
 //! The in-memory store is the exception: its records never leave the process, and it keeps
 //! them in clear, bound to their index and writer ([`Sealer::plain`]), so that a replay hands
-//! out the stored bytes instead of a decrypted copy.
+//! out a stored body's chunks as they are instead of a decrypted copy. (What AES-GCM also
+//! checked, that no byte was altered and that a part belongs to its store name, guards against
+//! whoever can write to Redis; only the layer writes the in-memory store.)
 
 mod format;
 mod seal;
