@@ -584,21 +584,22 @@ impl MemoryBackend {
         }
     }
 
-    /// Whether `entry` holds a live lock of `op`'s.
-    fn owned(entry: &Entry, op: &Op, now: Instant) -> bool {
-        entry.live_lock(now).is_some_and(|l| Self::owns(l, op))
+    /// The slot of `op`'s entry if it holds a live lock of `op`'s.
+    fn owned(entries: &Entries, op: &Op, now: Instant) -> Option<usize> {
+        entries.find(op.name.lock_key()).filter(|&slot| {
+            entries
+                .get(slot)
+                .live_lock(now)
+                .is_some_and(|l| Self::owns(l, op))
+        })
     }
 
     fn extend_now(&self, op: &Op, lease: Duration) -> bool {
         let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
-        let key = op.name.lock_key();
         let Store { entries, ix } = &mut *store;
-        let Some(slot) = entries
-            .find(key)
-            .filter(|&slot| Self::owned(entries.get(slot), op, now))
-        else {
+        let Some(slot) = Self::owned(entries, op, now) else {
             return false;
         };
         let entry = entries.get_mut(slot);
@@ -626,12 +627,8 @@ impl MemoryBackend {
         let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
-        let key = op.name.lock_key();
         let Store { entries, ix } = &mut *store;
-        let Some(slot) = entries
-            .find(key)
-            .filter(|&slot| Self::owned(entries.get(slot), op, now))
-        else {
+        let Some(slot) = Self::owned(entries, op, now) else {
             return false;
         };
         let entry = entries.get_mut(slot);
@@ -663,10 +660,10 @@ impl MemoryBackend {
         let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
-        let key = op.name.lock_key();
-        let found = store.entries.find(key);
-        let Some(slot) = found.filter(|&slot| Self::owned(store.entries.get(slot), op, now)) else {
-            let mine = found
+        let Some(slot) = Self::owned(&store.entries, op, now) else {
+            let mine = store
+                .entries
+                .find(op.name.lock_key())
                 .and_then(|slot| store.entries.get(slot).state.as_ref())
                 .and_then(|s| s.completed_by)
                 .is_some_and(|t| t == op.token);
@@ -721,12 +718,7 @@ impl MemoryBackend {
         let now = crate::clock::now();
         let mut store = self.store();
         store.sweep(now);
-        let key = op.name.lock_key();
-        let Some(slot) = store
-            .entries
-            .find(key)
-            .filter(|&slot| Self::owned(store.entries.get(slot), op, now))
-        else {
+        let Some(slot) = Self::owned(&store.entries, op, now) else {
             return Ok(Appended::NotOwner);
         };
         let entry = store.entries.get(slot);
@@ -868,9 +860,6 @@ impl MemoryBackend {
         let (mut locks, mut states) = (0, 0);
         for (slot, e) in s.entries.iter() {
             let key = &e.key;
-            if s.entries.find(key) != Some(slot) {
-                problems.push(format!("{key}: not found by its key in slot {slot}"));
-            }
             if e.slots() == 0 {
                 problems.push(format!("{key}: an empty entry left in the map"));
             }
@@ -909,13 +898,6 @@ impl MemoryBackend {
             }
         }
         problems.extend(s.entries.audit());
-        if s.entries.len() != s.entries.iter().count() {
-            problems.push(format!(
-                "{} entries found by key, {} in their slots",
-                s.entries.len(),
-                s.entries.iter().count()
-            ));
-        }
         if (slots, bytes) != (s.ix.slots, s.ix.bytes) {
             problems.push(format!(
                 "counted {:?} slots and bytes, recounted {:?}",

@@ -56,8 +56,9 @@ impl Entries {
         self.chunks.get(slot / CHUNK)?[slot % CHUNK].as_ref()
     }
 
-    fn slot_mut(&mut self, slot: usize) -> &mut Option<Entry> {
-        &mut self.chunks[slot / CHUNK][slot % CHUNK]
+    /// Slot `slot`, if the slab has it.
+    fn place_mut(&mut self, slot: usize) -> Option<&mut Option<Entry>> {
+        Some(&mut self.chunks.get_mut(slot / CHUNK)?[slot % CHUNK])
     }
 
     fn hash(&self, key: &str) -> u64 {
@@ -84,11 +85,7 @@ impl Entries {
 
     /// The entry in `slot`, which must hold one.
     pub(super) fn get_mut(&mut self, slot: usize) -> &mut Entry {
-        match self
-            .chunks
-            .get_mut(slot / CHUNK)
-            .map(|c| &mut c[slot % CHUNK])
-        {
+        match self.place_mut(slot) {
             Some(Some(entry)) => entry,
             _ => unreachable!("slot {slot} holds no entry"),
         }
@@ -104,7 +101,8 @@ impl Entries {
             self.used += 1;
             self.used - 1
         });
-        let place = self.slot_mut(slot);
+        // Handed out above: its chunk exists.
+        let place = &mut self.chunks[slot / CHUNK][slot % CHUNK];
         debug_assert!(place.is_none(), "slot {slot} handed out while in use");
         *place = Some(Entry::new(key.into(), hash));
         self.table.insert_unique(hash, (hash, slot), |&(h, _)| h);
@@ -113,11 +111,7 @@ impl Entries {
 
     /// Removes the entry in `slot`.
     pub(super) fn remove(&mut self, slot: usize) {
-        let Some(entry) = self
-            .chunks
-            .get_mut(slot / CHUNK)
-            .and_then(|c| c[slot % CHUNK].take())
-        else {
+        let Some(entry) = self.place_mut(slot).and_then(Option::take) else {
             return;
         };
         if let Ok(found) = self.table.find_entry(entry.hash, |&(_, s)| s == slot) {
@@ -136,11 +130,28 @@ impl Entries {
             .filter_map(|(slot, e)| e.as_ref().map(|e| (slot, e)))
     }
 
-    /// What does not hold in the slab's free list: every free slot empty, listed once, and
-    /// every slot in use or free (for tests).
+    /// What does not hold: every entry found by its key in its slot, the table holding those
+    /// and no more, every free slot empty and listed once, every slot in use or free (for
+    /// tests).
     #[cfg(test)]
     pub(super) fn audit(&self) -> Vec<String> {
         let mut problems = Vec::new();
+        let mut entries = 0;
+        for (slot, entry) in self.iter() {
+            entries += 1;
+            if self.find(&entry.key) != Some(slot) {
+                problems.push(format!(
+                    "{}: not found by its key in slot {slot}",
+                    entry.key
+                ));
+            }
+        }
+        if self.len() != entries {
+            problems.push(format!(
+                "{} entries found by key, {entries} in their slots",
+                self.len()
+            ));
+        }
         let mut seen = std::collections::HashSet::new();
         for &slot in &self.free {
             if !seen.insert(slot) {
