@@ -5,7 +5,9 @@
 //!   later), with the layer on the memory and the Redis store / without it; and, on Redis,
 //!   beyond one round trip (the layer's begin is one: the goal is <= 1.05 + one round trip);
 //! * **replay throughput** of a stored 10 MiB record, part by part, against a handler serving
-//!   the same bytes (goal >= 0.8), each round the median of nine interleaved transfers;
+//!   the same bytes from memory it holds (goal >= 0.8), each round the median of nine
+//!   interleaved transfers; with the CPU each transfer takes per MiB, in this process and in
+//!   Redis, and from those the most a Redis replay could reach on this machine's cores;
 //! * **the layer's peak memory** while 100 MiB stream through it (Redis store, so the record
 //!   lives in Redis), as the peak of live heap bytes with the layer minus without it, in
 //!   chunks' worth (goal < 2).
@@ -72,15 +74,38 @@ async fn download(axum::extract::Query(q): axum::extract::Query<Mib>) -> Respons
     Body::new(StreamBody::new(chunks)).into_response()
 }
 
+/// Bytes a handler holds in memory (a file it serves, an export it built): distinct memory,
+/// unlike [`DATA`], which a loop sends again and again from the CPU's cache.
+const OBJECT_MIB: usize = 16;
+static OBJECT: std::sync::LazyLock<Bytes> = std::sync::LazyLock::new(|| {
+    (0..OBJECT_MIB << 20)
+        .map(|i| b'a' + (i % 26) as u8)
+        .collect::<Vec<u8>>()
+        .into()
+});
+
+/// `?mib=N` MiB (N at most 16) of [`OBJECT`], in 64 KiB chunks (slices, no copy), all ready at
+/// once.
+async fn object(axum::extract::Query(q): axum::extract::Query<Mib>) -> Response {
+    let chunks = (0..q.mib.min(OBJECT_MIB) * 16)
+        .map(|i| Ok::<_, Infallible>(Frame::data(OBJECT.slice(i * CHUNK..(i + 1) * CHUNK))));
+    Body::new(StreamBody::new(futures_util::stream::iter(chunks))).into_response()
+}
+
 #[derive(serde::Deserialize)]
 struct Mib {
     mib: usize,
 }
 
-fn app(store: Option<Store>) -> Router {
-    let routes = Router::new()
+fn routes() -> Router {
+    Router::new()
         .route("/sse", post(sse))
-        .route("/download", post(download));
+        .route("/download", post(download))
+        .route("/object", post(object))
+}
+
+fn app(store: Option<Store>) -> Router {
+    let routes = routes();
     match store {
         None => routes,
         Some(store) => routes.layer(
@@ -92,6 +117,101 @@ fn app(store: Option<Store>) -> Router {
                 .build()
                 .unwrap(),
         ),
+    }
+}
+
+/// The least an idempotency layer must do before its handler runs, and nothing more: name the
+/// key under the server secret (HKDF-SHA256, as the layer does), fingerprint the request
+/// (HMAC-SHA256 of its method and path), and claim the key in a map behind a lock, sized for
+/// the memory store's default of 100,000 keys. It keeps no response, takes no lease, sets no
+/// timer: its time to first byte is a floor for any layer doing that work, measured in the same
+/// run as the real one.
+#[derive(Clone)]
+struct Minimal {
+    state: std::sync::Arc<MinimalState>,
+}
+
+struct MinimalState {
+    keys: hkdf::Hkdf<sha2::Sha256>,
+    fingerprint: hmac::Hmac<sha2::Sha256>,
+    claimed: std::sync::Mutex<std::collections::HashMap<[u8; 32], [u8; 32]>>,
+}
+
+impl Minimal {
+    fn new() -> Self {
+        use hmac::KeyInit;
+        let keys = hkdf::Hkdf::new(
+            Some(b"minimal"),
+            b"bench secret: 32 bytes, not for real use",
+        );
+        let mut key = [0u8; 32];
+        keys.expand(b"fingerprint", &mut key).unwrap();
+        Minimal {
+            state: std::sync::Arc::new(MinimalState {
+                keys,
+                fingerprint: hmac::Hmac::new_from_slice(&key).unwrap(),
+                claimed: std::sync::Mutex::new(std::collections::HashMap::with_capacity(100_000)),
+            }),
+        }
+    }
+}
+
+impl<S> tower::Layer<S> for Minimal {
+    type Service = MinimalService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        MinimalService {
+            inner,
+            state: self.state.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+struct MinimalService<S> {
+    inner: S,
+    state: std::sync::Arc<MinimalState>,
+}
+
+impl<S, B> tower::Service<http::Request<B>> for MinimalService<S>
+where
+    S: tower::Service<http::Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> S::Future {
+        use hmac::Mac;
+        let key = request
+            .headers()
+            .get("idempotency-key")
+            .map_or(&[][..], |v| v.as_bytes());
+        let mut name = [0u8; 32];
+        self.state
+            .keys
+            .expand_multi_info(&[b"key", key], &mut name)
+            .unwrap();
+        let mut mac = self.state.fingerprint.clone();
+        mac.update(request.method().as_str().as_bytes());
+        mac.update(request.uri().path().as_bytes());
+        let fingerprint: [u8; 32] = mac.finalize().into_bytes().into();
+        let fresh = self
+            .state
+            .claimed
+            .lock()
+            .unwrap()
+            .insert(name, fingerprint)
+            .is_none();
+        std::hint::black_box(fresh);
+        self.inner.call(request)
     }
 }
 
@@ -141,8 +261,36 @@ async fn ttfb(addr: SocketAddr, tag: &str, n: usize) -> (f64, f64) {
 
 /// Reads a response of `path` with `key` to its end: bytes per second.
 async fn throughput(addr: SocketAddr, path: &str, key: &str) -> f64 {
+    transfer(addr, path, key, None).await.rate
+}
+
+/// One transfer: its rate, and the CPU it took per MiB, in this process (the server's
+/// threads and the client's) and in Redis.
+struct Transfer {
+    /// Bytes per second.
+    rate: f64,
+    /// CPU time of this process, µs per MiB.
+    cpu: f64,
+    /// CPU time of Redis, µs per MiB (when a connection to it is given).
+    store_cpu: f64,
+}
+
+/// Reads a response of `path` with `key` to its end, timing it and the CPU it takes (of Redis
+/// too, read with `INFO cpu` on `redis` before and after).
+async fn transfer(
+    addr: SocketAddr,
+    path: &str,
+    key: &str,
+    redis: Option<&mut redis::aio::MultiplexedConnection>,
+) -> Transfer {
+    let mut redis = redis;
+    let store_before = match redis.as_deref_mut() {
+        Some(conn) => redis_cpu(conn).await,
+        None => Duration::ZERO,
+    };
     let mut sender = connect(addr).await;
     sender.ready().await.unwrap();
+    let cpu_before = own_cpu();
     let started = Instant::now();
     let response = sender.send_request(request(addr, path, key)).await.unwrap();
     let mut body = response.into_body();
@@ -150,7 +298,128 @@ async fn throughput(addr: SocketAddr, path: &str, key: &str) -> f64 {
     while let Some(frame) = body.frame().await {
         len += frame.unwrap().into_data().map_or(0, |d| d.len());
     }
-    len as f64 / started.elapsed().as_secs_f64()
+    let elapsed = started.elapsed();
+    let cpu = own_cpu() - cpu_before;
+    let store_cpu = match redis {
+        Some(conn) => redis_cpu(conn).await - store_before,
+        None => Duration::ZERO,
+    };
+    let mib = len as f64 / f64::from(1 << 20);
+    Transfer {
+        rate: len as f64 / elapsed.as_secs_f64(),
+        cpu: cpu.as_secs_f64() * 1e6 / mib,
+        store_cpu: store_cpu.as_secs_f64() * 1e6 / mib,
+    }
+}
+
+/// CPU time of this process so far (all its threads: the servers' and the client's).
+fn own_cpu() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
+/// Redis's CPU time so far, user and system, from `INFO cpu` (microseconds).
+async fn redis_cpu(conn: &mut redis::aio::MultiplexedConnection) -> Duration {
+    let info: String = redis::cmd("INFO")
+        .arg("cpu")
+        .query_async(conn)
+        .await
+        .unwrap();
+    let seconds: f64 = info
+        .lines()
+        .filter_map(|line| {
+            let value = line
+                .strip_prefix("used_cpu_sys:")
+                .or_else(|| line.strip_prefix("used_cpu_user:"))?;
+            value.trim().parse::<f64>().ok()
+        })
+        .sum();
+    Duration::from_secs_f64(seconds)
+}
+
+/// What a replay from Redis cannot do without, apart from serving the bytes (the handler's own
+/// work) and Redis sending them (measured during the replays): reading the parts with redis-rs
+/// (`LRANGE`, four 64 KiB parts per round trip, as the layer reads them) and opening them
+/// (AES-256-GCM with ring, as the layer seals every record on Redis). Each in this process's
+/// CPU, µs per MiB, the median of `n` passes over `mib` MiB.
+struct Unavoidable {
+    read: f64,
+    open: f64,
+}
+
+/// The list [`unavoidable`] reads: `mib` MiB of [`OBJECT`] in 64 KiB parts.
+const PARTS: &str = "{bench}:parts";
+
+async fn store_parts(conn: &mut redis::aio::MultiplexedConnection, mib: usize) {
+    let _: () = redis::cmd("DEL")
+        .arg(PARTS)
+        .query_async(conn)
+        .await
+        .unwrap();
+    for i in 0..mib * 16 {
+        let part = &OBJECT[i * CHUNK..(i + 1) * CHUNK];
+        let _: () = redis::cmd("RPUSH")
+            .arg(PARTS)
+            .arg(part)
+            .query_async(conn)
+            .await
+            .unwrap();
+    }
+}
+
+async fn unavoidable(
+    conn: &mut redis::aio::MultiplexedConnection,
+    mib: usize,
+    n: usize,
+) -> Unavoidable {
+    use ring::aead::{AES_256_GCM, Aad, LessSafeKey, Nonce, UnboundKey};
+    let parts = mib * 16;
+    let (mut read, mut open) = (Series::default(), Series::default());
+    let key = LessSafeKey::new(UnboundKey::new(&AES_256_GCM, &[7; 32]).unwrap());
+    let nonce = |i: usize| {
+        let mut nonce = [0u8; 12];
+        nonce[..8].copy_from_slice(&(i as u64).to_be_bytes());
+        Nonce::assume_unique_for_key(nonce)
+    };
+    let sealed: Vec<Vec<u8>> = (0..parts)
+        .map(|i| {
+            let mut part = OBJECT[i * CHUNK..(i + 1) * CHUNK].to_vec();
+            let tag = key
+                .seal_in_place_separate_tag(nonce(i), Aad::from(b"aad"), &mut part)
+                .unwrap();
+            part.extend_from_slice(tag.as_ref());
+            part
+        })
+        .collect();
+    for _ in 0..n {
+        let before = own_cpu();
+        let mut len = 0;
+        for from in (0..parts).step_by(4) {
+            let batch: Vec<Vec<u8>> = redis::cmd("LRANGE")
+                .arg(PARTS)
+                .arg(from)
+                .arg(from + 3)
+                .query_async(conn)
+                .await
+                .unwrap();
+            len += batch.iter().map(Vec::len).sum::<usize>();
+        }
+        assert_eq!(len, mib << 20, "the parts read back");
+        read.push((own_cpu() - before).as_secs_f64() * 1e6 / mib as f64);
+        let mut copies = sealed.clone();
+        let before = own_cpu();
+        for (i, part) in copies.iter_mut().enumerate() {
+            let opened = key
+                .open_in_place(nonce(i), Aad::from(b"aad"), part)
+                .unwrap();
+            std::hint::black_box(opened);
+        }
+        open.push((own_cpu() - before).as_secs_f64() * 1e6 / mib as f64);
+    }
+    Unavoidable {
+        read: read.median(),
+        open: open.median(),
+    }
 }
 
 /// Peak live heap bytes while 100 MiB stream from `path` (a new key), above the level before.
@@ -232,7 +501,7 @@ fn profile(args: &[String], servers: &tokio::runtime::Runtime, client: &tokio::r
         addr
     });
     if what == "replay" {
-        let path = "/download?mib=10";
+        let path = args.get(3).map_or("/download?mib=10", String::as_str);
         let key = if variant == "none" { "-" } else { "stored" };
         let mut rates = client.block_on(async {
             throughput(addr, path, key).await;
@@ -275,40 +544,55 @@ fn main() {
     }
     let redis = client.block_on(RedisServer::start_owned());
     let url = redis.url();
-    let addrs: Vec<SocketAddr> = ["none", "memory", "redis"]
+    let addrs: Vec<SocketAddr> = ["none", "memory", "redis", "minimal"]
         .iter()
         .map(|variant| {
-            let store = match *variant {
-                "none" => None,
-                "memory" => Some(Store::memory_with(
+            let app = match *variant {
+                "none" => app(None),
+                "memory" => app(Some(Store::memory_with(
                     distlock::MemoryLimits::new(100_000, 1 << 30).unwrap(),
+                ))),
+                "redis" => app(Some(
+                    servers.block_on(async { Store::redis(&url).unwrap() }),
                 )),
-                _ => Some(servers.block_on(async { Store::redis(&url).unwrap() })),
+                _ => routes().layer(Minimal::new()),
             };
             servers.block_on(async {
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 let addr = listener.local_addr().unwrap();
-                tokio::spawn(async move { axum::serve(listener, app(store)).await.unwrap() });
+                tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
                 addr
             })
         })
         .collect();
-    let (none, memory, redis_addr) = (addrs[0], addrs[1], addrs[2]);
+    let (none, memory, redis_addr, minimal) = (addrs[0], addrs[1], addrs[2], addrs[3]);
     let n = if mode.full { 200 } else { 10 };
     let pings = if mode.full { 60 } else { 5 };
     let big = if mode.full { 100 } else { 4 };
     let replay_mib = if mode.full { 10 } else { 1 };
     let transfers = if mode.full { 9 } else { 1 };
-    // Records for the replays.
+    // Records for the replays: the bytes a handler holds (distinct memory, as a record's parts
+    // are), served again from the store.
+    let object = format!("/object?mib={replay_mib}");
     client.block_on(async {
         for addr in [memory, redis_addr] {
-            throughput(addr, &format!("/download?mib={replay_mib}"), "stored").await;
+            throughput(addr, &object, "stored").await;
         }
+    });
+    let mut info = client.block_on(async {
+        let mut conn = redis.connection().await;
+        store_parts(&mut conn, replay_mib).await;
+        conn
     });
 
     let (mut t_none, mut t_mem, mut t_redis, mut rtt, mut rtt_servers) = Default::default();
+    let mut t_minimal = Series::default();
     let mut idle_redis = Series::default();
-    let (mut r_handler, mut r_mem, mut r_redis): (Series, Series, Series) = Default::default();
+    // Per round: the handler serving bytes it holds, the handler sending one 64 KiB buffer
+    // again and again (the baseline of the runs before 2026-11-27, 16:00 UTC: its bytes stay
+    // in the CPU's cache), the memory store's replay, Redis's.
+    let mut replays: [Replays; 4] = Default::default();
+    let (mut u_read, mut u_open) = (Series::default(), Series::default());
     let (mut m_none, mut m_redis) = (Series::default(), Series::default());
     for round in 0..mode.rounds {
         eprintln!("round {}/{}", round + 1, mode.rounds);
@@ -317,6 +601,7 @@ fn main() {
                 (&mut t_none, none),
                 (&mut t_mem, memory),
                 (&mut t_redis, redis_addr),
+                (&mut t_minimal, minimal),
             ];
             let mut idle = 0.0;
             for (series, addr) in t.iter_mut() {
@@ -335,17 +620,24 @@ fn main() {
             );
             // One transfer of 10 MiB takes a few milliseconds, within reach of a single
             // scheduling hiccup: each round takes the median of several, interleaved.
-            let path = format!("/download?mib={replay_mib}");
-            let (mut h, mut m, mut r) = Default::default();
+            let repeated = format!("/download?mib={replay_mib}");
+            let mut of_round: [Vec<Transfer>; 4] = Default::default();
             for _ in 0..transfers {
-                Series::push(&mut h, throughput(none, &path, "-").await);
-                Series::push(&mut m, throughput(memory, &path, "stored").await);
-                Series::push(&mut r, throughput(redis_addr, &path, "stored").await);
+                of_round[0].push(transfer(none, &object, "-", None).await);
+                of_round[1].push(transfer(none, &repeated, "-", None).await);
+                of_round[2].push(transfer(memory, &object, "stored", None).await);
+                of_round[3].push(transfer(redis_addr, &object, "stored", Some(&mut info)).await);
             }
-            let (h, m, r): (Series, Series, Series) = (h, m, r);
-            r_handler.push(h.median());
-            r_mem.push(m.median());
-            r_redis.push(r.median());
+            let u = unavoidable(&mut info, replay_mib, transfers).await;
+            u_read.push(u.read);
+            u_open.push(u.open);
+            for (transfers, figures) in of_round.iter().zip(replays.iter_mut()) {
+                let median =
+                    |f: fn(&Transfer) -> f64| Series(transfers.iter().map(f).collect()).median();
+                figures.rate.push(median(|t| t.rate));
+                figures.cpu.push(median(|t| t.cpu));
+                figures.store_cpu.push(median(|t| t.store_cpu));
+            }
             m_none.push(peak_heap(none, &format!("big-{round}"), big).await);
             m_redis.push(peak_heap(redis_addr, &format!("big-{round}"), big).await);
         });
@@ -362,6 +654,10 @@ fn main() {
     row(&[
         "TTFB memory store / no layer",
         &t_mem.ratio(&t_none).fmt_ratio(),
+    ]);
+    row(&[
+        "TTFB minimal layer (key named, request fingerprinted, key claimed; nothing else) / no layer",
+        &t_minimal.ratio(&t_none).fmt_ratio(),
     ]);
     row(&[
         "TTFB Redis store / no layer",
@@ -395,18 +691,89 @@ fn main() {
         "TTFB Redis store minus one round trip (servers' runtime) / no layer",
         &beyond.ratio(&t_none).fmt_ratio(),
     ]);
+    let [handler, repeated, r_mem, r_redis] = &replays;
     row(&[
-        &format!("handler serving {replay_mib} MiB, no layer (MB/s)"),
-        &span(&mb(&r_handler)),
+        &format!("handler serving {replay_mib} MiB it holds, no layer (MB/s)"),
+        &span(&mb(&handler.rate)),
     ]);
     row(&[
         "replay throughput, memory store / handler",
-        &r_mem.ratio(&r_handler).fmt_ratio(),
+        &r_mem.rate.ratio(&handler.rate).fmt_ratio(),
     ]);
     row(&[
         "replay throughput, Redis store / handler",
-        &r_redis.ratio(&r_handler).fmt_ratio(),
+        &r_redis.rate.ratio(&handler.rate).fmt_ratio(),
     ]);
+    row(&[
+        &format!(
+            "handler sending one 64 KiB buffer {} times (MB/s)",
+            replay_mib * 16
+        ),
+        &span(&mb(&repeated.rate)),
+    ]);
+    row(&[
+        "replay throughput, memory store / handler sending one buffer",
+        &r_mem.rate.ratio(&repeated.rate).fmt_ratio(),
+    ]);
+    for (what, figures) in [
+        ("handler", handler),
+        ("memory store's replay", r_mem),
+        ("Redis store's replay", r_redis),
+    ] {
+        row(&[
+            &format!("CPU per MiB, {what}: this process (server and client), µs"),
+            &span(&figures.cpu),
+        ]);
+    }
+    row(&[
+        "CPU per MiB, Redis store's replay: Redis itself, µs",
+        &span(&r_redis.store_cpu),
+    ]);
+    row(&[
+        "CPU per MiB, reading 64 KiB parts from Redis with redis-rs (LRANGE, 4 a round trip), this process, µs",
+        &span(&u_read),
+    ]);
+    row(&[
+        "CPU per MiB, opening 64 KiB parts (AES-256-GCM, ring), µs",
+        &span(&u_open),
+    ]);
+    // The most a Redis replay could reach here, round by round: the work it cannot do without,
+    // each at the CPU per byte measured in this round, on every core with nothing else to do,
+    // against the handler's rate. The layer's own work counts for nothing; the first bound
+    // counts only the handler's work (serving the bytes) and Redis's (sending them), the
+    // second also opening them (every record on Redis is sealed), the third also reading them
+    // with redis-rs.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let bound = |parts: &[&Series]| {
+        Series(
+            (0..handler.rate.0.len())
+                .map(|i| {
+                    let us_per_mib: f64 = parts.iter().map(|p| p.0[i]).sum();
+                    let seconds_per_byte = us_per_mib / 1e6 / f64::from(1 << 20);
+                    cores / seconds_per_byte / handler.rate.0[i]
+                })
+                .collect(),
+        )
+    };
+    for (what, parts) in [
+        ("serving + Redis", &[&handler.cpu, &r_redis.store_cpu][..]),
+        (
+            "serving + Redis + opening",
+            &[&handler.cpu, &r_redis.store_cpu, &u_open],
+        ),
+        (
+            "serving + Redis + opening + reading",
+            &[&handler.cpu, &r_redis.store_cpu, &u_open, &u_read],
+        ),
+    ] {
+        row(&[
+            &format!(
+                "most a Redis replay / handler could reach on {cores} cores, the layer costing \
+                 nothing: {what}"
+            ),
+            &bound(parts).fmt_ratio(),
+        ]);
+    }
     let layer_peak = Series(
         m_redis
             .0
@@ -423,6 +790,17 @@ fn main() {
         &format!("the layer's peak heap streaming {big} MiB (Redis store), in 64 KiB chunks"),
         &layer_peak.fmt_ratio(),
     ]);
+}
+
+/// One figure of a replay variant, per round.
+#[derive(Default)]
+struct Replays {
+    /// Bytes per second.
+    rate: Series,
+    /// This process's CPU, µs per MiB.
+    cpu: Series,
+    /// Redis's CPU, µs per MiB.
+    store_cpu: Series,
 }
 
 fn span(s: &Series) -> String {
