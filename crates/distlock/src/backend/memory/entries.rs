@@ -40,11 +40,30 @@ pub(super) struct Entries {
     hasher: RandomState,
 }
 
+/// Writes every bucket of `table` once, so that the kernel maps its pages when the store is
+/// made, not on the requests that first write to each: a new key lands in a bucket at random,
+/// and until most of the table had been written (a thousand keys or so for the default bound's
+/// 4 MiB), a request's insert took a page fault (about 16 µs of a request that follows an idle
+/// pause, docs/BENCHMARKS.md, section 7). Fills it with placeholders, one per bucket up to its
+/// capacity (consecutive multiples of an odd constant: distinct in the bits that pick the
+/// bucket), then clears it, which keeps the allocation.
+fn prefault(table: &mut HashTable<(u64, usize)>) {
+    const SPREAD: u64 = 0x9E37_79B9_7F4A_7C15;
+    for i in 0..table.capacity() as u64 {
+        let hash = i.wrapping_mul(SPREAD);
+        table.insert_unique(hash, (hash, 0), |&(h, _)| h);
+    }
+    table.clear();
+}
+
 impl Entries {
-    /// A table for twice `bound` entries (up to [`PRESIZED`]).
+    /// A table for twice `bound` entries (up to [`PRESIZED`]), its memory written once now (see
+    /// [`prefault`]).
     pub(super) fn with_bound(bound: usize) -> Self {
+        let mut table = HashTable::with_capacity(bound.saturating_mul(2).min(PRESIZED));
+        prefault(&mut table);
         Entries {
-            table: HashTable::with_capacity(bound.saturating_mul(2).min(PRESIZED)),
+            table,
             chunks: Vec::new(),
             used: 0,
             free: Vec::new(),
