@@ -202,6 +202,32 @@ mod tests {
         assert_eq!(midway.unwrap_err(), Rejection::BodyTooLarge { limit: 5 });
     }
 
+    /// A body still on its way when the read starts: read to its end once it comes (the first
+    /// look, without a timer, must not lose its wake-up), and given up after the timeout when
+    /// it does not come in time. A body there in full is read without one.
+    #[tokio::test]
+    async fn a_body_still_coming_is_read_within_the_timeout() {
+        let later = |delay: Duration| {
+            StreamBody::new(futures_util::stream::once(async move {
+                tokio::time::sleep(delay).await;
+                Ok::<_, std::io::Error>(Frame::data(Bytes::from_static(b"late")))
+            }))
+        };
+        let read = read_request(later(Duration::from_millis(50)), 10, Duration::from_secs(1));
+        let read = tokio::time::timeout(Duration::from_secs(5), read)
+            .await
+            .expect("the read ends once the body came");
+        assert_eq!(read.unwrap().data, Bytes::from_static(b"late"));
+        let timeout = Duration::from_millis(100);
+        let slow = read_request(later(Duration::from_secs(30)), 10, timeout).await;
+        assert_eq!(
+            slow.unwrap_err(),
+            Rejection::RequestTimeout { after: timeout }
+        );
+        let whole = read_request(Full::new(Bytes::from_static(b"now")), 10, Duration::ZERO).await;
+        assert_eq!(whole.unwrap().data, Bytes::from_static(b"now"));
+    }
+
     #[tokio::test]
     async fn the_inner_service_gets_the_same_bytes_either_way() {
         let read = RequestBody::<Full<Bytes>>::buffered(Read {

@@ -57,6 +57,10 @@ impl MemoryLimits {
     /// At most `max_entries` locks and states together, and at most `max_bytes` of keys, tags,
     /// records and the parts of streamed records. Both must be above zero.
     ///
+    /// A store takes the memory of its lookup table when it is made: 16 bytes per entry of
+    /// twice `max_entries`, rounded up to a power of two, at most 16 MiB (4 MiB for the default
+    /// 100,000 entries), written once then so that no request pays for mapping it.
+    ///
     /// ```
     /// assert!(distlock::MemoryLimits::new(0, 1).is_err());
     /// ```

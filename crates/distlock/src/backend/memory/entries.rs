@@ -9,8 +9,10 @@
 //! lock: every request of the process waited out tens of milliseconds when a store of 100,000
 //! entries first filled up. The table is sized for twice the store's bound when it is made (up
 //! to [`PRESIZED`] entries), so that a full store's tombstones are cleared in place rather than
-//! by doubling it. The slab grows by chunks of [`CHUNK`] slots, allocated as they are needed:
-//! an entry never moves, and a store takes memory for the entries it holds.
+//! by doubling it, and written once then (see [`prefault`]): its memory (16 bytes per entry of
+//! twice the bound, rounded up to a power of two: 4 MiB for the default 100,000 entries) is
+//! taken when the store is made. The slab grows by chunks of [`CHUNK`] slots, allocated as they
+//! are needed: an entry never moves, and the slab takes memory for the entries the store holds.
 
 use foldhash::fast::RandomState;
 use hashbrown::HashTable;
@@ -40,8 +42,9 @@ pub(super) struct Entries {
     hasher: RandomState,
 }
 
-/// Writes every bucket of `table` once, so that the kernel maps its pages when the store is
-/// made, not on the requests that first write to each: a new key lands in a bucket at random,
+/// Writes `table`'s buckets once (up to its capacity: 7 in 8 of them, on every page), so that
+/// the kernel maps its pages when the store is made, not on the requests that first write to
+/// each: a new key lands in a bucket at random,
 /// and until most of the table had been written (a thousand keys or so for the default bound's
 /// 4 MiB), a request's insert took a page fault (about 16 µs of a request that follows an idle
 /// pause, docs/BENCHMARKS.md, section 7). Fills it with placeholders, one per bucket up to its
