@@ -21,8 +21,8 @@
 //! ```
 //!
 //! Sealed parts' associated data: magic and version, the store name of the key, the part's
-//! index, and the writer (the fencing token of the execution that wrote a streamed record's parts after its
-//! first; 0 for the first part). The key is derived from the raw idempotency key, its scope and
+//! index, and the writer (the fencing token of the execution that wrote a streamed record's
+//! parts after its first; 0 for the first part). The key is derived from the raw idempotency key, its scope and
 //! the server secret ([`crate::secret`]). A sealed record moved under another name or index,
 //! altered in any byte, written without the key, or a part of another execution spliced in
 //! fails to open. (Two executions of one key never share a fence, even when the record expired
@@ -185,28 +185,38 @@ impl<'a> Sealer<'a> {
     }
 }
 
-/// Checks a part in clear: its envelope, index and writer.
-fn check_plain(part: &[u8], index: u64, writer: u64) -> Result<(), String> {
+/// Checks a part's envelope: magic, `version` (`expected` says which this reader takes, only
+/// for the error) and a length of at least `min`.
+fn envelope(
+    part: &[u8],
+    version: u8,
+    min: usize,
+    expected: impl FnOnce() -> String,
+) -> Result<(), String> {
     if part.len() < 4 || &part[..3] != MAGIC {
         return Err("not a tower-idempotency record".into());
     }
-    if part[3] != PLAIN {
+    if part[3] != version {
         return Err(format!(
-            "record format version {} is not supported here (this store keeps version {PLAIN})",
-            part[3]
+            "record format version {} is not supported{}",
+            part[3],
+            expected()
         ));
     }
-    if part.len() < HEADER {
+    if part.len() < min {
         return Err(format!("truncated record ({} bytes)", part.len()));
     }
-    let bound = |range: std::ops::Range<usize>| {
-        part[range]
-            .iter()
-            .fold(0u64, |n, b| (n << 8) | u64::from(*b))
-    };
-    if bound(4..12) != writer
-        || u32::try_from(index).map_or(true, |i| bound(12..HEADER) != u64::from(i))
-    {
+    Ok(())
+}
+
+/// Checks a part in clear: its envelope, index and writer.
+fn check_plain(part: &[u8], index: u64, writer: u64) -> Result<(), String> {
+    envelope(part, PLAIN, HEADER, || {
+        format!(" here (this store keeps version {PLAIN})")
+    })?;
+    let stored_writer = u64::from_be_bytes(part[4..12].try_into().unwrap_or_default());
+    let stored_index = u32::from_be_bytes(part[12..HEADER].try_into().unwrap_or_default());
+    if stored_writer != writer || u32::try_from(index) != Ok(stored_index) {
         return Err("the part belongs to another index or writer".into());
     }
     Ok(())
@@ -214,18 +224,9 @@ fn check_plain(part: &[u8], index: u64, writer: u64) -> Result<(), String> {
 
 /// Checks a sealed part's envelope (magic, version, length): its nonce.
 fn check(sealed: &[u8]) -> Result<[u8; 12], String> {
-    if sealed.len() < 4 || &sealed[..3] != MAGIC {
-        return Err("not a tower-idempotency record".into());
-    }
-    if sealed[3] != VERSION {
-        return Err(format!(
-            "record format version {} is not supported (this build reads {VERSION})",
-            sealed[3]
-        ));
-    }
-    if sealed.len() < HEADER + TAG {
-        return Err(format!("truncated record ({} bytes)", sealed.len()));
-    }
+    envelope(sealed, VERSION, HEADER + TAG, || {
+        format!(" (this build reads {VERSION})")
+    })?;
     sealed[4..HEADER]
         .try_into()
         .map_err(|_| "truncated nonce".to_owned())
