@@ -6,29 +6,15 @@
 mod support;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 
 use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::routing::post;
-use support::{SECRET, send};
+use support::{SECRET, counting, send};
 use tower_idempotency::key;
 use tower_idempotency::{IdempotencyLayer, IdempotencyLayerBuilder, Store};
-
-/// A handler that counts its runs and answers 201.
-fn counting() -> (
-    Arc<AtomicUsize>,
-    impl Fn() -> std::future::Ready<(StatusCode, String)> + Clone,
-) {
-    let runs = Arc::new(AtomicUsize::new(0));
-    let counter = runs.clone();
-    let handler = move || {
-        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
-        std::future::ready((StatusCode::CREATED, format!("run {n}")))
-    };
-    (runs, handler)
-}
 
 fn builder(store: &Store) -> IdempotencyLayerBuilder {
     IdempotencyLayer::builder(store.clone())

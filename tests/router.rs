@@ -16,23 +16,9 @@ use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use support::{Reply, SECRET, send, within};
+use support::{Reply, SECRET, counting, send, within};
 use tower_idempotency::key::{self, KeySourceExt};
 use tower_idempotency::{IdempotencyLayer, IdempotencyLayerBuilder, ReplayHeaders, Store};
-
-/// A handler that counts its runs and answers 201 with the run number.
-fn counting() -> (
-    Arc<AtomicUsize>,
-    impl Fn() -> std::future::Ready<(StatusCode, String)> + Clone,
-) {
-    let runs = Arc::new(AtomicUsize::new(0));
-    let counter = runs.clone();
-    let handler = move || {
-        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
-        std::future::ready((StatusCode::CREATED, format!("run {n}")))
-    };
-    (runs, handler)
-}
 
 fn builder(store: &Store) -> IdempotencyLayerBuilder {
     IdempotencyLayer::builder(store.clone())

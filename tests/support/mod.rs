@@ -662,3 +662,17 @@ pub async fn redis_store(url: &str, prefix: &str) -> Store {
     client.prepare().await.expect("redis answers");
     Store::from_client(client)
 }
+
+/// A handler that counts its runs and answers 201 with the run number.
+pub fn counting() -> (
+    Arc<AtomicUsize>,
+    impl Fn() -> std::future::Ready<(StatusCode, String)> + Clone,
+) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let handler = move || {
+        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+        std::future::ready((StatusCode::CREATED, format!("run {n}")))
+    };
+    (runs, handler)
+}
