@@ -521,7 +521,7 @@ async fn ping_rtt(mut conn: redis::aio::MultiplexedConnection, pause: Duration, 
     common::percentile_us(&mut samples, 50.0)
 }
 
-/// `--profile ttfb <none|memory|redis> <n>`: only the time-to-first-byte loop, `n` requests
+/// `--profile ttfb <none|memory|redis|minimal> <n>`: only the time-to-first-byte loop, `n` requests
 /// on one variant; `--profile replay <none|memory|redis> <n>`: `n` transfers of a 10 MiB
 /// record (a handler serving it, for `none`); for `perf stat` / `perf record` (prints the p50,
 /// or the median throughput).
@@ -531,16 +531,21 @@ fn profile(args: &[String], servers: &tokio::runtime::Runtime, client: &tokio::r
     let n: usize = args.get(2).and_then(|n| n.parse().ok()).unwrap_or(2_000);
     let redis = (variant == "redis").then(|| client.block_on(RedisServer::start_owned()));
     let store = match &redis {
-        None if variant == "none" => None,
+        None if variant == "none" || variant == "minimal" => None,
         None => Some(Store::memory_with(
             distlock::MemoryLimits::new(100_000, 1 << 30).unwrap(),
         )),
         Some(redis) => Some(servers.block_on(async { Store::redis(&redis.url()).unwrap() })),
     };
+    let app = if variant == "minimal" {
+        routes().layer(Minimal::new())
+    } else {
+        app(store)
+    };
     let addr = servers.block_on(async {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app(store)).await.unwrap() });
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         addr
     });
     if what == "replay" {

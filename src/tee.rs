@@ -17,7 +17,6 @@
 //!   such a response); one longer than announced is cut there, as a server cuts it
 //!   ([`Announced`]).
 
-use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::pin::{Pin, pin};
 use std::task::{Context, Poll};
@@ -52,7 +51,7 @@ pub(crate) async fn tee<B, E>(
     run: Box<Run>,
     mut parts: http::response::Parts,
     body: B,
-    keep: bool,
+    mut keep: bool,
     reply: oneshot::Sender<Finished<B, E>>,
 ) where
     B: Body,
@@ -103,12 +102,6 @@ pub(crate) async fn tee<B, E>(
     // Streamed: the head goes out now, the frames as they come.
     let status = parts.status;
     let headers = parts.headers.clone();
-    // More header values than a record holds: the outcome is stored without the body.
-    let vary = complete::negotiated(&headers, &run.negotiated);
-    let keep = keep
-        && run
-            .head(Kind::Response, status, (&headers, true), &vary)
-            .fits();
     // A detached execution runs at its own pace: a client that stops reading is given up after
     // the stall timeout. A cancellable one is driven by the client's reading; a body that will
     // not be kept (opted out, its head too large, announced over the record limit or over it
@@ -121,11 +114,12 @@ pub(crate) async fn tee<B, E>(
     // What was read goes to the client before anything waits on the store; what fits in the
     // feed is queued before the head is handed over, so that the client's first read of the
     // body finds it (the head and the first frames leave in one write, as without the layer).
-    let mut to_client: VecDeque<Message> = early.iter().flat_map(pieces).collect();
-    while let Some(message) = to_client.pop_front() {
+    let mut to_client = early.iter().flat_map(pieces);
+    let mut no_room = None;
+    for message in to_client.by_ref() {
         if let Err(message) = feed.try_send(message) {
-            // No room: sent once the head is handed over.
-            to_client.push_front(message);
+            // Sent once the head is handed over.
+            no_room = Some(message);
             break;
         }
     }
@@ -141,7 +135,19 @@ pub(crate) async fn tee<B, E>(
     if !run.config.cancel_on_disconnect {
         tokio::task::yield_now().await;
     }
-    for message in to_client {
+    // Whether the record can hold the head: known after the head went out (nothing waited on
+    // the client in between). More header values than a record holds: the outcome is stored
+    // without the body, which is then never given up either.
+    let vary = complete::negotiated(&headers, &run.negotiated);
+    if keep
+        && !run
+            .head(Kind::Response, status, (&headers, true), &vary)
+            .fits()
+    {
+        keep = false;
+        feed.wait_for_the_client();
+    }
+    for message in no_room.into_iter().chain(to_client) {
         if !feed.send(message).await {
             break;
         }
