@@ -167,7 +167,7 @@ pub(crate) async fn tee<B, E>(
                 {
                     Ok(next) => next,
                     Err(_) => {
-                        sink.flush(&run).await;
+                        sink.flush(&run, 0).await;
                         poll_fn(|cx| poll_frame(body.as_mut(), cx)).await
                     }
                 }
@@ -271,8 +271,10 @@ impl Sink {
             let head =
                 run.sealer()
                     .seal_head(&run.head(Kind::Response, status, (headers, true), vary));
+            // Grown with the data (`Sealer::chunk_room`): a stream idle between two events
+            // holds no chunk-sized buffer.
             sink.mode = Mode::Parts {
-                buffer: Sealer::chunk_buffer(config.chunk_size),
+                buffer: Sealer::chunk_buffer(0),
                 chunk: config.chunk_size,
             };
             if let Err(error) = run.guard.append(&head).await {
@@ -326,10 +328,13 @@ impl Sink {
                     };
                     let room = (*chunk + crate::record::CHUNK_START).saturating_sub(buffer.len());
                     let take = room.min(data.len());
+                    Sealer::chunk_room(buffer, take, *chunk);
                     buffer.extend_from_slice(&data[..take]);
                     data.advance(take);
                     if take == room {
-                        self.flush(run).await;
+                        // A full chunk: a steady stream, whose next one is likely full too.
+                        let next = *chunk;
+                        self.flush(run, next).await;
                     }
                 }
             }
@@ -337,15 +342,16 @@ impl Sink {
         }
     }
 
-    /// Appends the chunk being filled, if it holds data.
-    async fn flush(&mut self, run: &Run) {
-        let Mode::Parts { buffer, chunk } = &mut self.mode else {
+    /// Appends the chunk being filled, if it holds data; the next one starts with room for
+    /// `next` bytes.
+    async fn flush(&mut self, run: &Run, next: usize) {
+        let Mode::Parts { buffer, .. } = &mut self.mode else {
             return;
         };
         if Sealer::chunk_is_empty(buffer) {
             return;
         }
-        let full = std::mem::replace(buffer, Sealer::chunk_buffer(*chunk));
+        let full = std::mem::replace(buffer, Sealer::chunk_buffer(next));
         let index = run.guard.appended();
         let sealed = run.sealer().seal_chunk(index, run.guard.fence(), full);
         if let Err(error) = run.guard.append(&sealed).await {
@@ -356,7 +362,7 @@ impl Sink {
 
     /// Stores the outcome: whole, or the end of what was appended.
     async fn finish(mut self, run: Box<Run>, status: StatusCode, headers: &HeaderMap) {
-        self.flush(&run).await;
+        self.flush(&run, 0).await;
         let trailers = self.trailers.take();
         match self.mode {
             Mode::Whole(chunks) => {

@@ -66,11 +66,24 @@ impl Sealer<'_> {
         self.seal(0, 0, |out, extra| head.write_head(out, extra))
     }
 
-    /// A buffer for the data of a chunk part, sealed by [`seal_chunk`](Self::seal_chunk).
+    /// A buffer for the data of a chunk part, sealed by [`seal_chunk`](Self::seal_chunk), with
+    /// room for `capacity` bytes of data (it grows with [`chunk_room`](Self::chunk_room)).
     pub(crate) fn chunk_buffer(capacity: usize) -> Vec<u8> {
         let mut out = Sealer::buffer(capacity + 1);
         out.push(format::CHUNK_TAG);
         out
+    }
+
+    /// Makes room in a chunk buffer for `additional` more bytes of data, a chunk holding at most
+    /// `chunk`: the buffer at least doubles, up to what a full chunk and its seal take (a
+    /// stream's data grows it a few times at most, and never past a chunk's worth).
+    pub(crate) fn chunk_room(buffer: &mut Vec<u8>, additional: usize, chunk: usize) {
+        let full = Sealer::buffer_capacity(chunk + 1);
+        let needed = buffer.len() + additional + (full - CHUNK_START - chunk);
+        if needed > buffer.capacity() {
+            let target = needed.max(buffer.capacity().saturating_mul(2)).min(full);
+            buffer.reserve_exact(target.max(needed) - buffer.len());
+        }
     }
 
     /// Whether a chunk buffer holds no data yet.
@@ -100,5 +113,40 @@ impl Sealer<'_> {
     /// The end of a streamed record whose outcome is unknown.
     pub(crate) fn seal_unknown(&self, index: u64, writer: u64) -> Vec<u8> {
         self.seal(index, writer, write_unknown)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A chunk buffer grows with its data: it at least doubles (a few reallocations per chunk,
+    /// not one per frame), always has room for what is added and for the seal, and never
+    /// grows past what a full chunk takes sealed.
+    #[test]
+    fn a_chunk_buffer_grows_with_its_data_up_to_a_full_chunk() {
+        let chunk = 64 * 1024;
+        let full = Sealer::chunk_buffer(chunk).capacity();
+        for frame in [1, 50, 1000, 16 * 1024, chunk] {
+            let mut buffer = Sealer::chunk_buffer(0);
+            let mut grown = 0;
+            let mut capacity = buffer.capacity();
+            while buffer.len() < CHUNK_START + chunk {
+                let take = frame.min(CHUNK_START + chunk - buffer.len());
+                Sealer::chunk_room(&mut buffer, take, chunk);
+                assert!(buffer.capacity() <= full, "{frame}: {}", buffer.capacity());
+                buffer.extend_from_slice(&vec![7u8; take]);
+                assert!(
+                    buffer.capacity() - buffer.len() >= full - CHUNK_START - chunk,
+                    "{frame}: room for the seal"
+                );
+                if buffer.capacity() != capacity {
+                    grown += 1;
+                    capacity = buffer.capacity();
+                }
+            }
+            assert_eq!(buffer.capacity(), full, "{frame}");
+            assert!(grown <= 18, "{frame}: grown {grown} times");
+        }
     }
 }

@@ -91,9 +91,14 @@ impl<'a> Sealer<'a> {
     /// A buffer for a part's plaintext, to be sealed in place by [`seal_buffer`](Self::seal_buffer):
     /// room for the envelope's header before it and the tag after `capacity` bytes.
     pub(crate) fn buffer(capacity: usize) -> Vec<u8> {
-        let mut out = Vec::with_capacity(HEADER + capacity + TAG);
+        let mut out = Vec::with_capacity(Sealer::buffer_capacity(capacity));
         out.resize(HEADER, 0);
         out
+    }
+
+    /// What a [`buffer`](Self::buffer) for `capacity` bytes of plaintext holds once sealed.
+    pub(crate) fn buffer_capacity(capacity: usize) -> usize {
+        HEADER + capacity + TAG
     }
 
     /// Seals in place a buffer from [`buffer`](Self::buffer) whose plaintext follows the

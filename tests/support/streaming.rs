@@ -74,7 +74,7 @@ pub fn event(run: usize, i: usize) -> Bytes {
 /// An LLM-style stream: `n` server-sent events; the first at once, each next one after a
 /// permit of the gate and a few milliseconds (so the layer appends them one by one); trailers
 /// at the end when asked.
-async fn tokens(State(t): State<Tokens>, Query(q): Query<TokensQuery>) -> Response {
+pub async fn tokens(State(t): State<Tokens>, Query(q): Query<TokensQuery>) -> Response {
     let run = t.runs.fetch_add(1, Ordering::SeqCst) + 1;
     let gate = t.gate.clone();
     let finished = t.finished.clone();

@@ -1,0 +1,154 @@
+//! The memory an open stream costs while it is idle: an LLM-style endpoint holds thousands of
+//! streams open at once, each sending a token now and then. In a test binary of its own: it
+//! counts the live heap bytes of the whole process, which other tests would disturb.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::routing::post;
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use peak_alloc::PeakAlloc;
+use support::streaming::{self, Tokens};
+use support::{DEADLINE, TestStore, within};
+
+/// Counts the process's live heap bytes.
+#[global_allocator]
+static HEAP: PeakAlloc = PeakAlloc;
+
+fn live() -> isize {
+    HEAP.current_usage() as isize
+}
+
+/// Streams held open at once.
+const STREAMS: usize = 32;
+
+/// The chunk size of the layer under test (its default).
+const CHUNK: usize = 64 * 1024;
+
+/// The live heap once it has stopped changing: unchanged over 200 ms (the idle flush of a
+/// stream's first event, 10 ms after it, included), within [`DEADLINE`].
+async fn settled_heap() -> isize {
+    let started = Instant::now();
+    let mut last = live();
+    let mut since = Instant::now();
+    loop {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let now = live();
+        if now != last {
+            last = now;
+            since = Instant::now();
+        } else if since.elapsed() >= Duration::from_millis(200) {
+            return now;
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the heap never settled: {now} bytes live"
+        );
+    }
+}
+
+/// Opens [`STREAMS`] streams of `/tokens` on `router`, each on a connection of its own, reads
+/// the first event of each, and returns the heap they hold (per stream, once settled), with
+/// their bodies; the streams stay open, idle at the gate.
+async fn idle_streams(
+    router: Router,
+    tag: &str,
+) -> (
+    isize,
+    Vec<(http::Response<hyper::body::Incoming>, Bytes)>,
+    std::net::SocketAddr,
+) {
+    let (addr, _server) = support::serve(router).await;
+    let mut senders = Vec::new();
+    for _ in 0..STREAMS {
+        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (sender, connection) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .unwrap();
+        tokio::spawn(connection);
+        senders.push(sender);
+    }
+    let before = settled_heap().await;
+    let mut open = Vec::new();
+    for (i, sender) in senders.iter_mut().enumerate() {
+        let request = http::Request::post(format!("http://{addr}/tokens?n=3"))
+            .header("idempotency-key", format!("{tag}-{i}"))
+            .body(Body::empty())
+            .unwrap();
+        let mut response = within("the head of a stream", sender.send_request(request))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let first = within("the first event", response.body_mut().frame())
+            .await
+            .expect("a first event")
+            .unwrap()
+            .into_data()
+            .unwrap();
+        open.push((response, first));
+    }
+    let held = (settled_heap().await - before) / STREAMS as isize;
+    // The connections stay open with their bodies (the senders are dropped: no more requests).
+    (held, open, addr)
+}
+
+/// An open stream idle between two events holds no chunk-sized buffer: the chunk being filled
+/// grows with the data it holds. Before, every streamed response kept a buffer of the chunk
+/// size (64 KiB) from its head to its end, and a new one after each idle flush: 32 idle
+/// streams cost 2 MiB, 10,000 would cost 640 MiB. The streams are still stored: once they end,
+/// a retry is the first client's body, replayed.
+async fn an_idle_stream_holds_no_chunk_sized_buffer(s: TestStore) {
+    let tokens = Tokens::new(false);
+    let bare = Router::new()
+        .route("/tokens", post(streaming::tokens))
+        .with_state(tokens.clone());
+    let (without, open, _) = idle_streams(bare, "bare").await;
+    tokens.open();
+    for (response, _) in open {
+        within("a stream's end", response.into_body().collect())
+            .await
+            .unwrap();
+    }
+
+    let tokens = Tokens::new(false);
+    let layered = streaming::app(&s, &tokens, |b| b.chunk_size(CHUNK));
+    let (with, open, addr) = idle_streams(layered, "layered").await;
+    let layer = with - without;
+    assert!(
+        layer < (CHUNK / 2) as isize,
+        "the layer holds {layer} bytes per idle stream (without it: {without}), a chunk is {CHUNK}"
+    );
+
+    tokens.open();
+    let mut bodies = Vec::new();
+    for (response, first) in open {
+        let rest = within("a stream's end", response.into_body().collect())
+            .await
+            .unwrap()
+            .to_bytes();
+        bodies.push([first, rest].concat());
+    }
+    let client = support::client();
+    let retry = support::http(
+        &client,
+        addr,
+        streaming::request("/tokens?n=3", "layered-7"),
+    )
+    .await;
+    assert_eq!(retry.status, 200);
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, bodies[7]);
+    assert_eq!(tokens.runs(), STREAMS);
+}
+
+/// Both stores in one test: the heap is the process's, and tests of one binary run at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_stream_holds_no_chunk_sized_buffer_on_either_store() {
+    an_idle_stream_holds_no_chunk_sized_buffer(TestStore::memory().await).await;
+    an_idle_stream_holds_no_chunk_sized_buffer(TestStore::redis("idle_streams").await).await;
+}
