@@ -105,7 +105,9 @@ pub(crate) async fn tee<B, E>(
     // A detached execution runs at its own pace: a client that stops reading is given up after
     // the stall timeout. A cancellable one is driven by the client's reading; a body that will
     // not be kept (opted out, its head too large, announced over the record limit or over it
-    // in what was read already) is never given up (see `Sink::patience`).
+    // in what was read already) is never given up (see `Sink::patience`). Whether the head is
+    // too large is known only after it is handed over (below): until then, nothing may wait
+    // on the feed (`try_send` only).
     let limit = run.config.record_limit as u64;
     let patient = !keep || announced.is_some_and(|len| len > limit) || early_len as u64 > limit;
     let stall = (!patient && !run.config.cancel_on_disconnect).then_some(run.config.stall_timeout);
@@ -160,8 +162,9 @@ pub(crate) async fn tee<B, E>(
     while failed.is_none() {
         let next = match poll_now(body.as_mut()).await {
             Some(next) => next,
-            None if sink.holds_data() => {
-                // A steady stream is batched; a pause appends what came so far.
+            None if sink.holds_memory() => {
+                // A steady stream is batched; a pause appends what came so far, and gives back
+                // the room made for a full chunk.
                 match tokio::time::timeout(IDLE_FLUSH, poll_fn(|cx| poll_frame(body.as_mut(), cx)))
                     .await
                 {
@@ -296,9 +299,13 @@ impl Sink {
         }
     }
 
-    fn holds_data(&self) -> bool {
+    /// Whether the chunk being filled holds data, or room for more than an empty chunk (made
+    /// for a full one after the last was appended): what a pause gives back.
+    fn holds_memory(&self) -> bool {
         match &self.mode {
-            Mode::Parts { buffer, .. } => !Sealer::chunk_is_empty(buffer),
+            Mode::Parts { buffer, .. } => {
+                !Sealer::chunk_is_empty(buffer) || Sealer::chunk_holds_room(buffer.capacity())
+            }
             _ => false,
         }
     }
@@ -343,12 +350,15 @@ impl Sink {
     }
 
     /// Appends the chunk being filled, if it holds data; the next one starts with room for
-    /// `next` bytes.
+    /// `next` bytes. With `next` 0 (a pause, the end), an empty chunk gives back its room.
     async fn flush(&mut self, run: &Run, next: usize) {
         let Mode::Parts { buffer, .. } = &mut self.mode else {
             return;
         };
         if Sealer::chunk_is_empty(buffer) {
+            if next == 0 && Sealer::chunk_holds_room(buffer.capacity()) {
+                *buffer = Sealer::chunk_buffer(0);
+            }
             return;
         }
         let full = std::mem::replace(buffer, Sealer::chunk_buffer(next));

@@ -74,6 +74,11 @@ impl Sealer<'_> {
         out
     }
 
+    /// Whether a chunk buffer of `capacity` has room for more than an empty chunk.
+    pub(crate) fn chunk_holds_room(capacity: usize) -> bool {
+        capacity > Sealer::buffer_capacity(1)
+    }
+
     /// Makes room in a chunk buffer for `additional` more bytes of data, a chunk holding at most
     /// `chunk`: the buffer at least doubles, up to what a full chunk and its seal take (a
     /// stream's data grows it a few times at most, and never past a chunk's worth).
