@@ -521,10 +521,10 @@ async fn ping_rtt(mut conn: redis::aio::MultiplexedConnection, pause: Duration, 
     common::percentile_us(&mut samples, 50.0)
 }
 
-/// `--profile ttfb <none|memory|redis|minimal> <n>`: only the time-to-first-byte loop, `n` requests
-/// on one variant; `--profile replay <none|memory|redis> <n>`: `n` transfers of a 10 MiB
-/// record (a handler serving it, for `none`); for `perf stat` / `perf record` (prints the p50,
-/// or the median throughput).
+/// `--profile ttfb <none|memory|redis|minimal> <n>`: only the time-to-first-byte loop, `n`
+/// requests on one variant; `--profile replay <none|memory|redis> <n>`: `n` transfers of a
+/// 10 MiB record (a handler serving it, for `none`); for `perf stat` / `perf record` (prints
+/// the p50, or the median throughput).
 fn profile(args: &[String], servers: &tokio::runtime::Runtime, client: &tokio::runtime::Runtime) {
     let what = args.first().map_or("ttfb", String::as_str);
     let variant = args.get(1).map_or("memory", String::as_str);

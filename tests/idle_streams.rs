@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::body::Body;
 use axum::extract::State;
+use axum::handler::Handler;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use bytes::Bytes;
@@ -57,19 +58,18 @@ async fn settled_heap() -> isize {
     }
 }
 
-/// Opens [`STREAMS`] streams of `path` on `router`, each on a connection of its own, reads
-/// at least the first `first` bytes of each (what the handler sends before its gate), and returns the heap they hold (per stream, once settled),
-/// with their bodies; the streams stay open, idle at the gate.
-async fn idle_streams(
-    router: Router,
-    path: &str,
-    first: usize,
-    tag: &str,
-) -> (
-    isize,
-    Vec<(http::Response<hyper::body::Incoming>, Bytes)>,
-    std::net::SocketAddr,
-) {
+/// Streams held open by [`idle_streams`]: the heap they hold, per stream; each response with
+/// the bytes read of it; the server's address.
+struct Idle {
+    held: isize,
+    open: Vec<(http::Response<hyper::body::Incoming>, Bytes)>,
+    addr: std::net::SocketAddr,
+}
+
+/// Opens [`STREAMS`] streams of `path` on `router`, each on a connection of its own, and reads
+/// at least the first `first` bytes of each (what the handler sends before its gate). The
+/// streams stay open, idle at the gate.
+async fn idle_streams(router: Router, path: &str, first: usize, tag: &str) -> Idle {
     let (addr, _server) = support::serve(router).await;
     let mut senders = Vec::new();
     for _ in 0..STREAMS {
@@ -106,7 +106,7 @@ async fn idle_streams(
     }
     let held = (settled_heap().await - before) / STREAMS as isize;
     // The connections stay open with their bodies (the senders are dropped: no more requests).
-    (held, open, addr)
+    Idle { held, open, addr }
 }
 
 /// Reads the rest of each body to its end: the whole bodies.
@@ -122,20 +122,39 @@ async fn finish(open: Vec<(http::Response<hyper::body::Incoming>, Bytes)>) -> Ve
     bodies
 }
 
-/// Asserts that the layer holds less than half a chunk per idle stream, then lets the streams
-/// end and checks that they were stored: a retry is the first client's body, replayed.
-async fn check(
-    (with, open, addr): (
-        isize,
-        Vec<(http::Response<hyper::body::Incoming>, Bytes)>,
-        std::net::SocketAddr,
-    ),
-    without: isize,
-    tokens: &Tokens,
-    path: &str,
-    tag: &str,
-) {
-    let layer = with - without;
+/// Holds [`STREAMS`] streams of `path` open and idle (after their first `first` bytes) with
+/// `handler` bare, then behind the layer on `s`: asserts that the layer holds less than half a
+/// chunk per idle stream, then lets the streams end and checks that they were stored (a retry
+/// is the first client's body, replayed).
+async fn compare<H, T>(s: &TestStore, handler: H, path: &str, first: usize)
+where
+    H: Handler<T, Tokens>,
+    T: 'static,
+{
+    let route = path.split('?').next().unwrap_or(path);
+    let tokens = Tokens::new(false);
+    let bare = Router::new()
+        .route(route, post(handler.clone()))
+        .with_state(tokens.clone());
+    let without = idle_streams(bare, path, first, "bare").await;
+    tokens.open();
+    finish(without.open).await;
+    let without = without.held;
+
+    let tokens = Tokens::new(false);
+    let layer = IdempotencyLayer::builder(s.store.clone())
+        .secret(SECRET)
+        .unwrap()
+        .global_keys()
+        .chunk_size(CHUNK)
+        .build()
+        .unwrap();
+    let layered = Router::new()
+        .route(route, post(handler))
+        .layer(layer)
+        .with_state(tokens.clone());
+    let Idle { held, open, addr } = idle_streams(layered, path, first, "layered").await;
+    let layer = held - without;
     assert!(
         layer < (CHUNK / 2) as isize,
         "{path}: the layer holds {layer} bytes per idle stream (without it: {without}), a chunk is {CHUNK}"
@@ -143,7 +162,7 @@ async fn check(
     tokens.open();
     let bodies = finish(open).await;
     let client = support::client();
-    let retry = support::http(&client, addr, streaming::request(path, &format!("{tag}-7"))).await;
+    let retry = support::http(&client, addr, streaming::request(path, "layered-7")).await;
     assert_eq!(retry.status, 200);
     assert!(retry.replayed(), "{retry:?}");
     assert_eq!(retry.body, bodies[7]);
@@ -156,19 +175,8 @@ async fn check(
 /// streams cost 2 MiB, 10,000 would cost 640 MiB. The streams are still stored: once they end,
 /// a retry is the first client's body, replayed.
 async fn an_idle_stream_holds_no_chunk_sized_buffer(s: TestStore) {
-    let tokens = Tokens::new(false);
-    let bare = Router::new()
-        .route("/tokens", post(streaming::tokens))
-        .with_state(tokens.clone());
     let first = streaming::event(1, 0).len();
-    let (without, open, _) = idle_streams(bare, "/tokens?n=3", first, "bare").await;
-    tokens.open();
-    finish(open).await;
-
-    let tokens = Tokens::new(false);
-    let layered = streaming::app(&s, &tokens, |b| b.chunk_size(CHUNK));
-    let streams = idle_streams(layered, "/tokens?n=3", first, "layered").await;
-    check(streams, without, &tokens, "/tokens?n=3", "layered").await;
+    compare(&s, streaming::tokens, "/tokens?n=3", first).await;
 }
 
 /// One frame of exactly a chunk, then nothing until the gate opens, then the end.
@@ -194,28 +202,7 @@ async fn block(State(t): State<Tokens>) -> Response {
 /// such a stream held it until its next frame (a download whose frames divide the chunk size,
 /// from a slow source). On Redis: the memory store keeps the record itself in the process.
 async fn an_idle_stream_after_a_full_chunk_holds_no_chunk_sized_buffer(s: TestStore) {
-    let tokens = Tokens::new(false);
-    let bare = Router::new()
-        .route("/block", post(block))
-        .with_state(tokens.clone());
-    let (without, open, _) = idle_streams(bare, "/block", CHUNK, "bare-block").await;
-    tokens.open();
-    finish(open).await;
-
-    let tokens = Tokens::new(false);
-    let layer = IdempotencyLayer::builder(s.store.clone())
-        .secret(SECRET)
-        .unwrap()
-        .global_keys()
-        .chunk_size(CHUNK)
-        .build()
-        .unwrap();
-    let layered = Router::new()
-        .route("/block", post(block))
-        .layer(layer)
-        .with_state(tokens.clone());
-    let streams = idle_streams(layered, "/block", CHUNK, "layered-block").await;
-    check(streams, without, &tokens, "/block", "layered-block").await;
+    compare(&s, block, "/block", CHUNK).await;
 }
 
 /// Every case in one test: the heap is the process's, and tests of one binary run at once.

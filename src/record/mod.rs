@@ -83,8 +83,10 @@ impl Sealer<'_> {
     /// `chunk`: the buffer at least doubles, up to what a full chunk and its seal take (a
     /// stream's data grows it a few times at most, and never past a chunk's worth).
     pub(crate) fn chunk_room(buffer: &mut Vec<u8>, additional: usize, chunk: usize) {
+        // What the buffer takes sealed: a full chunk's, and once `additional` bytes are in.
         let full = Sealer::buffer_capacity(chunk + 1);
-        let needed = buffer.len() + additional + (full - CHUNK_START - chunk);
+        let needed =
+            Sealer::buffer_capacity(buffer.len().saturating_sub(seal::HEADER) + additional);
         if needed > buffer.capacity() {
             let target = needed.max(buffer.capacity().saturating_mul(2)).min(full);
             buffer.reserve_exact(target.max(needed) - buffer.len());
