@@ -1,12 +1,20 @@
-//! Payment webhook receiver: each event is applied to the ledger once, however often the
-//! provider delivers it, even while an earlier delivery is still running.
+//! A Stripe webhook receiver: every `payment_intent.succeeded` event is applied to the ledger
+//! once, however often and to however many instances Stripe delivers it, even while an earlier
+//! delivery still runs; forged deliveries are refused before anything else.
 //!
 //! ```sh
-//! cargo run --example webhook                                # in-memory store, 127.0.0.1:3000
-//! curl -i -X POST localhost:3000/webhooks/payments -H 'content-type: application/json' \
-//!      -d '{"id":"evt_1","order_id":"ord_9","amount":1000}'
+//! export WEBHOOK_SECRET=whsec_test IDEMPOTENCY_SECRET=$(head -c32 /dev/urandom | base64)
+//! cargo run --example webhook                 # in-memory store, 127.0.0.1:3000
+//! body='{"id":"evt_1","type":"payment_intent.succeeded","data":{"object":{"id":"pi_1","amount":1000}}}'
+//! t=$(date +%s); v1=$(printf '%s.%s' "$t" "$body" | openssl dgst -sha256 -hmac "$WEBHOOK_SECRET" | cut -d' ' -f2)
+//! curl -i localhost:3000/webhooks/stripe -H "stripe-signature: t=$t,v1=$v1" \
+//!      -H 'content-type: application/json' -d "$body"
 //! curl localhost:3000/ledger
 //! ```
+//!
+//! `REDIS_URL` (a shared store for several instances), `IDEMPOTENCY_SECRET` (the same on every
+//! instance), `WEBHOOK_SECRET` (the endpoint's signing secret), `BIND` (127.0.0.1:3000) and
+//! `WORK_MS` (how long applying a payment takes, 500 by default) come from the environment.
 
 #[path = "shared/env.rs"]
 mod env;
@@ -19,21 +27,34 @@ use std::time::Duration;
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            std::env::var("RUST_LOG").unwrap_or_else(|_| "info,tower_idempotency=debug".into()),
-        )
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
         .init();
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
+    let work = match std::env::var("WORK_MS") {
+        Ok(ms) => Duration::from_millis(ms.parse().map_err(|e| format!("WORK_MS={ms:?}: {e}"))?),
+        Err(_) => Duration::from_millis(500),
+    };
     let store = env::store()?;
     let secret = env::secret(&store)?;
+    let webhook_secret = match std::env::var("WEBHOOK_SECRET") {
+        Ok(s) if !s.is_empty() => s,
+        _ => {
+            let mut random = [0u8; 24];
+            rand::fill(&mut random[..]);
+            let s = format!("whsec_{}", hex::encode(random));
+            println!("WEBHOOK_SECRET is not set: using {s} for this process");
+            s
+        }
+    };
     let app = webhook_app::app(
         store.clone(),
         &secret,
-        webhook_app::Ledger::with_work(Duration::from_millis(500)),
+        webhook_secret.as_bytes(),
+        webhook_app::Ledger::with_work(work),
     )?;
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     println!(
-        "webhook receiver on http://{} (idempotency store: {})",
+        "Stripe webhook receiver on http://{}/webhooks/stripe (idempotency store: {})",
         listener.local_addr()?,
         store.describe()
     );
@@ -42,7 +63,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let _ = tokio::signal::ctrl_c().await;
         })
         .await?;
-    // Handlers whose clients left run on: let them finish and store their outcomes.
+    // Handlers whose senders left run on: let them finish and store their outcomes.
     if !store.drain(Duration::from_secs(30)).await {
         eprintln!("requests still running at exit: their keys stay held until their leases end");
     }

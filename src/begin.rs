@@ -5,24 +5,29 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use distlock::{Begin, LockError, OnceGuard};
+use distlock::{Begin, LockError, LockGuard, OnceGuard};
+use http::request::Parts;
 use http::{Request, Response, header};
 use http_body::Body;
 
 use crate::body::{BoxError, RequestBody, ResponseBody, read_request};
 use crate::complete::{NEGOTIATED, joined};
-use crate::fingerprint::fingerprint;
+use crate::fingerprint::identify;
 use crate::layer::{Config, OnConflict};
 use crate::metrics::{Event, count, store_latency};
 use crate::outcome::DecisionCell;
+use crate::problem::html::ForBrowser;
 use crate::replay::{Stored, join, problem, replay};
-use crate::scope::derive;
-use crate::{IdempotencyContext, Rejection};
+use crate::scope::{Naming, derive};
+use crate::{IdempotencyContext, KeyKind, Rejection};
 
 /// A protected execution: the lease, and what is needed to store its outcome.
 #[derive(Debug)]
 pub(crate) struct Run {
     pub(crate) guard: OnceGuard,
+    /// For a key that names a thing, the thing's lock: held until this is dropped, after the
+    /// outcome of the record is stored (or released).
+    pub(crate) thing: Option<LockGuard>,
     pub(crate) fingerprint: [u8; 32],
     /// The AES-256-GCM key of the record (derived from the raw key, its scope and the secret);
     /// `None` on the in-memory store, which keeps records in clear (see `record::seal`).
@@ -66,7 +71,32 @@ fn unprotected<B, R>(parts: http::request::Parts, body: RequestBody<B>) -> Decis
     }
 }
 
+/// What to do with `request`; a rejection to a person's browser as a page.
 pub(crate) async fn begin<B, R>(
+    config: Arc<Config>,
+    request: Request<B>,
+    span: tracing::Span,
+) -> Decision<B, R>
+where
+    B: Body + Send,
+    B::Error: Into<BoxError>,
+{
+    let browser = (config.html.as_ref()).and_then(|render| {
+        Some((
+            render.clone(),
+            ForBrowser::of(request.headers(), request.uri())?,
+        ))
+    });
+    let decision = decide(config, request, span).await;
+    match (decision, browser) {
+        (Decision::Respond(response), Some((render, browser))) => Decision::Respond(
+            browser.render(&*render, response, |page| ResponseBody::full(page, None)),
+        ),
+        (decision, _) => decision,
+    }
+}
+
+async fn decide<B, R>(
     config: Arc<Config>,
     request: Request<B>,
     span: tracing::Span,
@@ -169,21 +199,32 @@ where
             }
         },
     };
+    let fingerprint = match identify(
+        config.keys.fingerprinter(),
+        &config.identity,
+        &parts,
+        &config.fingerprint_headers,
+        &read.data,
+        read.trailers.as_ref(),
+    ) {
+        Ok(fingerprint) => fingerprint,
+        Err(rejection) => return reject(&config, rejection),
+    };
+    // A per-request key is its record; a thing's key has a record per request identity (and a
+    // lock of its own, taken below).
+    let naming = match config.kind {
+        KeyKind::Thing => Naming::Record(&fingerprint),
+        _ => Naming::Key,
+    };
     let derived = derive(
         &config.keys,
         &parts,
         principal.as_deref(),
         &key,
+        naming,
         config.seal,
     );
     let name = derived.name;
-    let fingerprint = fingerprint(
-        config.keys.fingerprinter(),
-        &parts,
-        &config.fingerprint_headers,
-        &read.data,
-        read.trailers.as_ref(),
-    );
     let once = match config.store.client().once(&name) {
         Ok(once) => once,
         Err(e) => unreachable!("a hex name is a valid lock name: {e}"),
@@ -222,7 +263,28 @@ where
     store_latency("begin", started.elapsed());
     match began {
         Ok(Begin::Acquired(guard)) => {
-            tracing::debug!(key = %name, fence = guard.fence(), "idempotency: running the handler");
+            let thing = match config.kind {
+                KeyKind::Thing => {
+                    match take_thing(&config, &parts, principal.as_deref(), &key).await {
+                        Ok(thing) => Some(thing),
+                        Err(rejection) => {
+                            // Not run: the request's own lease goes at once.
+                            if let Err(error) = guard.abort().await {
+                                tracing::debug!(%error, "idempotency: release failed; the lease will expire");
+                            }
+                            return reject(&config, rejection);
+                        }
+                    }
+                }
+                _ => None,
+            };
+            // The handler's lease and fence: the thing's, for a key that names one (greater
+            // than that of every earlier execution about it).
+            let lease = match &thing {
+                Some(thing) => thing.lease(),
+                None => guard.guard().lease(),
+            };
+            tracing::debug!(key = %name, fence = lease.fence(), "idempotency: running the handler");
             let decision = DecisionCell::new();
             let mut negotiated = http::HeaderMap::new();
             for name in NEGOTIATED {
@@ -230,15 +292,14 @@ where
                     negotiated.insert(name, value);
                 }
             }
-            parts.extensions.insert(IdempotencyContext::protected(
-                name,
-                guard.guard().lease(),
-                decision.clone(),
-            ));
+            parts
+                .extensions
+                .insert(IdempotencyContext::protected(name, lease, decision.clone()));
             Decision::Run {
                 request: Request::from_parts(parts, RequestBody::buffered(read)),
                 run: Some(Box::new(Run {
                     guard,
+                    thing,
                     fingerprint,
                     record_key: derived.record_key,
                     config,
@@ -346,6 +407,54 @@ where
                     retry_after: config.retry_after,
                 },
             )
+        }
+    }
+}
+
+/// Takes the lock of the thing a key names, so that requests about it run one at a time: a
+/// different request about the thing waits as an identical one would (the completion grace, or
+/// [`OnConflict::Wait`]), then gets 409.
+async fn take_thing(
+    config: &Config,
+    parts: &Parts,
+    principal: Option<&str>,
+    key: &str,
+) -> Result<LockGuard, Rejection> {
+    let name = derive(&config.keys, parts, principal, key, Naming::Thing, false).name;
+    let lock = match config.store.client().lock(&name) {
+        Ok(lock) => lock,
+        Err(e) => unreachable!("a hex name is a valid lock name: {e}"),
+    };
+    let wait = match config.on_conflict {
+        OnConflict::Wait(wait) => wait,
+        _ => config.completion_grace,
+    };
+    let started = Instant::now();
+    let taken = if wait.is_zero() {
+        lock.try_acquire().await
+    } else {
+        Box::pin(lock.acquire(wait)).await
+    };
+    store_latency("thing", started.elapsed());
+    match taken {
+        Ok(guard) => Ok(guard),
+        Err(LockError::Held { retry_after, .. }) => Err(Rejection::Conflict {
+            retry_after: config.conflict_retry_after(retry_after),
+        }),
+        Err(LockError::WaitTimeout { .. }) => Err(Rejection::Conflict {
+            retry_after: config.retry_after,
+        }),
+        Err(error @ LockError::Capacity { .. }) => {
+            tracing::warn!(%error, "idempotency store full: 503, handler not run");
+            Err(Rejection::StoreFull {
+                retry_after: config.retry_after,
+            })
+        }
+        Err(error) => {
+            tracing::warn!(%error, "idempotency store unavailable: 503, handler not run");
+            Err(Rejection::StoreUnavailable {
+                retry_after: config.retry_after,
+            })
         }
     }
 }

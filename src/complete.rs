@@ -8,7 +8,7 @@ use std::pin::pin;
 use std::task::Poll;
 use std::time::Instant;
 
-use distlock::LockError;
+use distlock::{LockError, LockGuard};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use tracing::Instrument;
 
@@ -239,10 +239,14 @@ pub(crate) async fn unknown(run: Box<Run>, why: &'static str) {
 
 async fn unknown_now(run: Box<Run>, why: &str) {
     let fence = run.guard.fence();
+    // The fence the handler was given, for a key that names a thing (the record's is the one
+    // the outcome-unknown problem names).
+    let thing_fence = run.thing.as_ref().map(LockGuard::fence);
     match run.config.unknown_outcome {
         UnknownOutcome::Release => {
             tracing::warn!(
                 fence,
+                thing_fence,
                 why,
                 "idempotency: outcome unknown; releasing the key, a retry runs the handler again"
             );
@@ -251,6 +255,7 @@ async fn unknown_now(run: Box<Run>, why: &str) {
         UnknownOutcome::Record => {
             tracing::warn!(
                 fence,
+                thing_fence,
                 why,
                 "idempotency: outcome unknown; recorded, retries get outcome-unknown"
             );

@@ -78,7 +78,9 @@ impl IdempotencyContext {
     }
 
     /// The fencing token of this execution: strictly greater than that of any earlier execution
-    /// for the same key. `None` when the request runs unprotected (store down in fail-open mode).
+    /// for the same key (for a [key that names a thing](crate::key::KeyKind::Thing), of any
+    /// earlier execution about the thing, whatever its request). `None` when the request runs
+    /// unprotected (store down in fail-open mode).
     ///
     /// ```
     /// # fn f(ctx: tower_idempotency::IdempotencyContext) {
@@ -89,7 +91,8 @@ impl IdempotencyContext {
         self.lease.as_ref().map(LeaseWatch::fence)
     }
 
-    /// The lease: `is_held()`, `check()`, and `lost().await` to stop work whose lease is gone.
+    /// The lease: `is_held()`, `check()`, and `lost().await` to stop work whose lease is gone
+    /// (for a key that names a thing, the thing's lease).
     ///
     /// ```
     /// # async fn f(ctx: tower_idempotency::IdempotencyContext) {

@@ -249,16 +249,19 @@ async fn execute<F, B, E>(
             }
         },
     };
-    if outcome == Outcome::Retryable {
+    match outcome {
         // Released before the client sees the answer: its retry runs the handler again.
-        complete::release(run, Event::NotStored).await;
-        let _ = reply.send(Finished::Response(Response::from_parts(
-            parts,
-            ResponseBody::inner(body),
-        )));
-        return;
+        Outcome::Retryable => complete::release(run, Event::NotStored).await,
+        // Recorded (or released, as the policy says) before the client sees the answer.
+        Outcome::Unknown => complete::unknown(run, "the response says it was cut short").await,
+        _ => {
+            let keep = parts.extensions.remove::<KeepBody>() != Some(KeepBody::No);
+            crate::tee::tee(run, parts, body, keep, reply).await;
+            return;
+        }
     }
-
-    let keep = parts.extensions.remove::<KeepBody>() != Some(KeepBody::No);
-    crate::tee::tee(run, parts, body, keep, reply).await;
+    let _ = reply.send(Finished::Response(Response::from_parts(
+        parts,
+        ResponseBody::inner(body),
+    )));
 }

@@ -1,10 +1,69 @@
-//! Request fingerprints: a key reused for a different request is refused (422), not replayed.
+//! Request fingerprints: what tells a resend (replayed) from a different request with the same
+//! key, as the layer's [`Identity`] says.
 
 use hmac::Mac;
 use http::request::Parts;
 use http::{HeaderMap, HeaderName};
 
 use crate::secret::FingerprintMac;
+use crate::{Identity, Rejection};
+
+/// The fingerprint of a request under `identity`: HMAC-SHA256 under the fingerprint key.
+///
+/// # Errors
+/// [`Rejection::MalformedBody`] when the identity is made of JSON fields and the body is not
+/// JSON.
+pub(crate) fn identify(
+    mut mac: FingerprintMac,
+    identity: &Identity,
+    parts: &Parts,
+    headers: &[HeaderName],
+    body: &[u8],
+    trailers: Option<&HeaderMap>,
+) -> Result<[u8; 32], Rejection> {
+    match identity {
+        Identity::JsonFields(pointers) => {
+            let document: serde_json::Value =
+                serde_json::from_slice(body).map_err(|e| Rejection::MalformedBody {
+                    reason: format!(
+                        "The JSON body, whose fields identify the request, does not parse: {e}."
+                    ),
+                })?;
+            field(&mut mac, b"tower-idempotency/fingerprint/json-fields/v1");
+            target(&mut mac, parts);
+            for pointer in pointers {
+                field(&mut mac, pointer.as_bytes());
+                match document.pointer(pointer) {
+                    // Objects serialise with their members sorted (serde_json's map): the same
+                    // value, however its sender ordered it.
+                    Some(value) => field(&mut mac, value.to_string().as_bytes()),
+                    None => mac.update(b"absent"),
+                }
+            }
+            Ok(mac.finalize().into_bytes().into())
+        }
+        Identity::Key => {
+            field(&mut mac, b"tower-idempotency/fingerprint/key/v1");
+            Ok(mac.finalize().into_bytes().into())
+        }
+        // The whole request (and anything a later version adds is the whole request too).
+        _ => Ok(fingerprint(mac, parts, headers, body, trailers)),
+    }
+}
+
+/// The method, and the path and query as the client sent them and as routed.
+fn target(mac: &mut FingerprintMac, parts: &Parts) {
+    field(mac, parts.method.as_str().as_bytes());
+    // As the client sent it (under a nested router the path lacks its prefix, which may hold
+    // path parameters), and as routed when that differs (a rewrite inside the router). A
+    // routed path starts with '/', a header name (the next field otherwise) never does.
+    let sent = crate::key::original_target(parts);
+    field(mac, sent.as_bytes());
+    let routed = crate::key::target(&parts.uri);
+    if routed != sent {
+        field(mac, routed.as_bytes());
+    }
+}
 
 /// Feeds one length-prefixed field, so that field boundaries cannot be forged.
 fn field(mac: &mut FingerprintMac, bytes: &[u8]) {
@@ -23,16 +82,7 @@ pub(crate) fn fingerprint(
     trailers: Option<&HeaderMap>,
 ) -> [u8; 32] {
     field(&mut mac, b"tower-idempotency/fingerprint/v3");
-    field(&mut mac, parts.method.as_str().as_bytes());
-    // As the client sent it (under a nested router the path lacks its prefix, which may hold
-    // path parameters), and as routed when that differs (a rewrite inside the router). A
-    // routed path starts with '/', a header name (the next field otherwise) never does.
-    let sent = crate::key::original_target(parts);
-    field(&mut mac, sent.as_bytes());
-    let routed = crate::key::target(&parts.uri);
-    if routed != sent {
-        field(&mut mac, routed.as_bytes());
-    }
+    target(&mut mac, parts);
     for name in headers {
         field(&mut mac, name.as_str().as_bytes());
         let values = parts.headers.get_all(name);
@@ -151,5 +201,54 @@ mod tests {
             fp(&other, "POST", "/a?x=1", "application/json", b"{}"),
             "keyed"
         );
+    }
+
+    fn identity_of(identity: &Identity, uri: &str, body: &str) -> Result<[u8; 32], Rejection> {
+        let keys = Keys::new(Some(b"a server secret, 32 bytes long.."));
+        let parts = http::Request::post(uri)
+            .header(CONTENT_TYPE, "application/json")
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0;
+        identify(
+            keys.fingerprinter(),
+            identity,
+            &parts,
+            &[CONTENT_TYPE],
+            body.as_bytes(),
+            None,
+        )
+    }
+
+    #[test]
+    fn each_identity_compares_what_it_says() {
+        let fields = Identity::json_fields(["/amount", "/meta"]).unwrap();
+        let a = r#"{"id":"e","amount":5,"attempt":1,"meta":{"a":1,"b":2}}"#;
+        let resent = r#"{"attempt":2,"meta":{"b":2,"a":1},"amount":5,"id":"e"}"#;
+        let other = r#"{"id":"e","amount":6,"attempt":1,"meta":{"a":1,"b":2}}"#;
+        let null = r#"{"id":"e","amount":null,"meta":{"a":1,"b":2}}"#;
+        let absent = r#"{"id":"e","meta":{"a":1,"b":2}}"#;
+        let f = |uri, body| identity_of(&fields, uri, body).unwrap();
+        assert_eq!(
+            f("/e", a),
+            f("/e", resent),
+            "other fields and orders ignored"
+        );
+        assert_ne!(f("/e", a), f("/e", other));
+        assert_ne!(f("/e", null), f("/e", absent), "null is not absent");
+        assert_ne!(f("/e", a), f("/f", a), "the path is part of it");
+        assert!(matches!(
+            identity_of(&fields, "/e", "not json"),
+            Err(Rejection::MalformedBody { .. })
+        ));
+        let k = |uri, body| identity_of(&Identity::Key, uri, body).unwrap();
+        assert_eq!(k("/e", a), k("/f", other), "the key alone");
+        let whole = |body| identity_of(&Identity::Request, "/e", body).unwrap();
+        assert_ne!(whole(a), whole(resent));
+        // The three never coincide for one request.
+        assert_ne!(whole(a), f("/e", a));
+        assert_ne!(whole(a), k("/e", a));
+        assert_ne!(f("/e", a), k("/e", a));
     }
 }

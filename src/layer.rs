@@ -8,12 +8,13 @@ use http::header::{self, HeaderName};
 use http::{Method, Response, StatusCode};
 use tower_layer::Layer;
 
-use crate::key::{self, KeySource};
+use crate::key::{self, KeyKind, KeySource};
 use crate::outcome::default_outcome;
 use crate::principal::PrincipalSource;
 use crate::problem::PROBLEM_BASE;
+use crate::problem::html::{Page, RenderHtml, default_page};
 use crate::secret::{Keys, MIN_SECRET_LEN};
-use crate::{ConfigError, Idempotency, Outcome, Rejection, Store, UnknownOutcome};
+use crate::{ConfigError, Idempotency, Identity, Outcome, Rejection, Store, UnknownOutcome};
 
 /// What to do with a request whose key is in flight (another request with the same key and
 /// fingerprint is being processed).
@@ -181,6 +182,9 @@ pub(crate) struct Config {
     pub(crate) store: Store,
     pub(crate) keys: Keys,
     pub(crate) key: Arc<dyn KeySource>,
+    /// What the key identifies (the source's kind, read once).
+    pub(crate) kind: KeyKind,
+    pub(crate) identity: Identity,
     pub(crate) key_required: bool,
     pub(crate) principal: Option<Arc<dyn PrincipalSource>>,
     pub(crate) methods: Vec<Method>,
@@ -201,6 +205,8 @@ pub(crate) struct Config {
     pub(crate) fail_open: bool,
     pub(crate) cover_unmatched: bool,
     pub(crate) rendering: Rendering,
+    /// Pages for browsers (see `problem::html`), if they get them.
+    pub(crate) html: Option<Arc<RenderHtml>>,
     /// Whether records are sealed: on every store but the in-memory one, whose records never
     /// leave the process (see `record::seal`).
     pub(crate) seal: bool,
@@ -230,6 +236,8 @@ impl std::fmt::Debug for Config {
             .field("store", &self.store.describe())
             .field("secret", &self.keys.has_secret())
             .field("key", &self.key.describe())
+            .field("kind", &self.kind)
+            .field("identity", &self.identity)
             .field("key_required", &self.key_required)
             .field("principal", &self.principal.is_some())
             .field("methods", &self.methods)
@@ -255,6 +263,7 @@ impl std::fmt::Debug for Config {
                     Rendering::Grpc => "grpc",
                 },
             )
+            .field("html", &self.html.is_some())
             .finish()
     }
 }
@@ -288,11 +297,11 @@ impl IdempotencyLayer {
     /// ```
     /// # fn main() -> Result<(), tower_idempotency::ConfigError> {
     /// use std::time::Duration;
-    /// use tower_idempotency::{IdempotencyLayer, KeySourceExt, OnConflict, Store, key};
+    /// use tower_idempotency::{IdempotencyLayer, Identity, KeySourceExt, OnConflict, Store, key};
     /// let layer = IdempotencyLayer::builder(Store::memory())
     ///     .secret("a secret of 32 random bytes.....")?
-    ///     .key(key::header().or(key::json("/id")?))
-    ///     .global_keys() // a webhook: one sender
+    ///     .key(key::json("/id")?) // a webhook: the event id names the event
+    ///     .identity(Identity::Key)
     ///     .on_conflict(OnConflict::Wait(Duration::from_secs(5)))
     ///     .retention(Duration::from_secs(3600))
     ///     .build()?;
@@ -304,6 +313,7 @@ impl IdempotencyLayer {
             secret: None,
             lease: None,
             key: Arc::new(key::header()),
+            identity: Identity::Request,
             key_required: true,
             principal: None,
             global_keys: false,
@@ -325,6 +335,7 @@ impl IdempotencyLayer {
             fail_open: false,
             cover_unmatched: false,
             rendering: Rendering::Problem(PROBLEM_BASE.to_owned()),
+            html: HtmlPages::Default,
         }
     }
 
@@ -366,6 +377,7 @@ pub struct IdempotencyLayerBuilder {
     secret: Option<Vec<u8>>,
     lease: Option<distlock::LockConfig>,
     key: Arc<dyn KeySource>,
+    identity: Identity,
     key_required: bool,
     principal: Option<Arc<dyn PrincipalSource>>,
     global_keys: bool,
@@ -387,6 +399,14 @@ pub struct IdempotencyLayerBuilder {
     fail_open: bool,
     cover_unmatched: bool,
     rendering: Rendering,
+    html: HtmlPages,
+}
+
+/// Whether browsers get pages: by default with problem+json rendering only.
+enum HtmlPages {
+    Default,
+    Custom(Arc<RenderHtml>),
+    Off,
 }
 
 impl std::fmt::Debug for IdempotencyLayerBuilder {
@@ -420,11 +440,10 @@ impl IdempotencyLayerBuilder {
     /// where only the process can read them. Without it the same derivations run with an
     /// empty secret: raw input still never reaches the store, but names and fingerprints of
     /// guessable keys (a phone number) can be recovered by enumeration, and whoever knows a key
-    /// can open or forge its record. Keys that name a thing, and so can be guessed, are
-    /// refused without a secret: read from the body (a phone number, an e-mail), from the path
-    /// or the query (an order id), or by a closure (see
-    /// [`KeySource::guessable`]). A header key, which the
-    /// client makes up, is not.
+    /// can open or forge its record. Keys that name a thing ([`KeyKind::Thing`]: a phone number
+    /// or an e-mail in the body, an order id in the path or the query, any source said to
+    /// [`names_a_thing`](crate::KeySourceExt::names_a_thing)) can be guessed, and are refused
+    /// without a secret. A per-request key, which the client makes up, is not.
     ///
     /// Rotating the secret: records stored under the old one simply stop matching (a retry
     /// that arrives after the rotation runs the handler again), so rotate when that is
@@ -456,7 +475,8 @@ impl IdempotencyLayerBuilder {
         Ok(self)
     }
 
-    /// Where the key comes from (default: the `Idempotency-Key` header). See [`key`].
+    /// Where the key comes from and what it identifies (default: the `Idempotency-Key` header,
+    /// a key the client chose for one request). See [`key`] for the two kinds of key.
     ///
     /// ```
     /// # fn main() -> Result<(), tower_idempotency::ConfigError> {
@@ -466,6 +486,20 @@ impl IdempotencyLayerBuilder {
     /// ```
     pub fn key(mut self, source: impl KeySource) -> Self {
         self.key = Arc::new(source);
+        self
+    }
+
+    /// What identifies a request beyond its key (default [`Identity::Request`], the whole
+    /// request, for both kinds of key): see [`identity`](crate::identity).
+    ///
+    /// ```
+    /// # fn main() -> Result<(), tower_idempotency::ConfigError> {
+    /// use tower_idempotency::{IdempotencyLayer, Identity, Store};
+    /// let b = IdempotencyLayer::builder(Store::memory()).identity(Identity::json_fields(["/amount"])?);
+    /// # Ok(()) }
+    /// ```
+    pub fn identity(mut self, identity: Identity) -> Self {
+        self.identity = identity;
         self
     }
 
@@ -770,6 +804,37 @@ impl IdempotencyLayerBuilder {
         self
     }
 
+    /// Renders the page a person's browser gets for a rejection (default
+    /// [`crate::problem::html::default_page`], with problem+json rendering): see
+    /// [`problem::html`](crate::problem::html). A request gets a page when its `Accept` ranks
+    /// `text/html` above JSON; the status and `Retry-After` stay the rejection's.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, Rejection, Store};
+    /// let b = IdempotencyLayer::builder(Store::memory()).html_rejections(|page| {
+    ///     let again = page.back().unwrap_or("/");
+    ///     format!("<!doctype html><h1>{}</h1><a href=\"{again}\">Back</a>", page.rejection().title())
+    /// });
+    /// ```
+    pub fn html_rejections<F>(mut self, render: F) -> Self
+    where
+        F: Fn(&Page<'_>) -> String + Send + Sync + 'static,
+    {
+        self.html = HtmlPages::Custom(Arc::new(render));
+        self
+    }
+
+    /// Browsers get rejections as the API's other clients do, not as pages.
+    ///
+    /// ```
+    /// let b = tower_idempotency::IdempotencyLayer::builder(tower_idempotency::Store::memory())
+    ///     .no_html_rejections();
+    /// ```
+    pub fn no_html_rejections(mut self) -> Self {
+        self.html = HtmlPages::Off;
+        self
+    }
+
     /// Renders rejections as gRPC statuses (for a tonic service): trailers-only responses with
     /// HTTP 200, `grpc-status` and `grpc-message`, as gRPC clients expect. In flight: `ABORTED`;
     /// a reused or malformed key: `INVALID_ARGUMENT`; the store unavailable: `UNAVAILABLE`;
@@ -948,23 +1013,26 @@ impl IdempotencyLayerBuilder {
                 "both a principal and global_keys(): keys are either scoped or global".into(),
             );
         }
-        if self.principal.is_none() && !self.global_keys && self.key.client_chosen() {
+        self.key.check()?;
+        self.identity.check()?;
+        let kind = self.key.kind();
+        if self.principal.is_none() && !self.global_keys && kind == KeyKind::Request {
             return invalid(
                 "principal",
                 format!(
-                    "the key comes from {}, which clients choose: scope keys with .principal(...) \
-                     (who sends the request) or declare them global with .global_keys()",
+                    "the key comes from {}, {kind}: scope keys with .principal(...) (who sends \
+                     the request) or declare them global with .global_keys()",
                     self.key.describe()
                 ),
             );
         }
-        if self.secret.is_none() && self.key.guessable() {
+        if self.secret.is_none() && kind == KeyKind::Thing {
             return invalid(
                 "secret",
                 format!(
-                    "the key comes from {}: such keys (phone numbers, e-mails, order ids) are \
-                     guessable, and without a server secret their names and records in the store \
-                     can be recovered and forged: set .secret(...)",
+                    "the key comes from {}, {kind}: such keys (phone numbers, e-mails, order \
+                     ids) are guessable, and without a server secret their names and records in \
+                     the store can be recovered and forged: set .secret(...)",
                     self.key.describe()
                 ),
             );
@@ -1042,12 +1110,19 @@ impl IdempotencyLayerBuilder {
             }
         }
         let seal = store.client().memory_limits().is_none();
+        let html: Option<Arc<RenderHtml>> = match (self.html, &self.rendering) {
+            (HtmlPages::Custom(render), _) => Some(render),
+            (HtmlPages::Default, Rendering::Problem(_)) => Some(Arc::new(default_page)),
+            _ => None,
+        };
         Ok(IdempotencyLayer {
             config: Arc::new(Config {
                 seal,
                 store,
                 keys: Keys::new(self.secret.as_deref()),
                 key: self.key,
+                kind,
+                identity: self.identity,
                 key_required: self.key_required,
                 principal: self.principal,
                 methods: self.methods,
@@ -1068,6 +1143,7 @@ impl IdempotencyLayerBuilder {
                 fail_open: self.fail_open,
                 cover_unmatched: self.cover_unmatched,
                 rendering: self.rendering,
+                html,
             }),
         })
     }
@@ -1148,17 +1224,39 @@ mod tests {
                     .principal(|_: &http::request::Parts| None),
                 "principal",
             ),
-            // A guessable key needs a secret: from the body, and as much from the path or the
-            // query (a phone number in `/users/{phone}`, an order id), also behind a header.
+            // A key that names a thing is guessable and needs a secret: from the body, and as
+            // much from the path or the query (a phone number in `/users/{phone}`, an order id).
             (bare().key(key::json("/phone").unwrap()), "secret"),
             (bare().key(key::form("email")), "secret"),
             (bare().key(key::path("phone")), "secret"),
             (bare().key(key::query("order")), "secret"),
             (
+                bare().key(key::KeySourceExt::or(
+                    key::header(),
+                    key::KeySourceExt::per_request(key::path("id")),
+                )),
+                "principal",
+            ),
+            // A header that carries a thing's name needs the secret too.
+            (
+                bare().key(key::KeySourceExt::names_a_thing(key::header())),
+                "secret",
+            ),
+            // A body key the client generates is scoped like the header.
+            (
+                bare().key(key::KeySourceExt::per_request(key::json("/k").unwrap())),
+                "principal",
+            ),
+            // Two kinds in one source: which semantics applies would depend on the request.
+            (
                 bare()
                     .global_keys()
                     .key(key::KeySourceExt::or(key::header(), key::path("id"))),
-                "secret",
+                "key",
+            ),
+            (
+                base().identity(Identity::JsonFields(vec!["amount".into()])),
+                "identity",
             ),
         ] {
             match builder.build() {

@@ -1,36 +1,73 @@
 //! Make HTTP endpoints safe to call twice, across every instance of a service.
 //!
+//! Three recipes, side by side: an API whose clients send `Idempotency-Key`, a signup keyed by
+//! the phone number, and a provider's webhooks keyed by the event id.
+//!
+//! | | key | kind | a different request with the key | identity | while the first runs |
+//! |---|---|---|---|---|---|
+//! | API | [`key::header()`] (default) | for one request, scoped per [`principal`] | 422 `key-reused` | the whole request | 409 |
+//! | signup | `key::json("/phone")?.names_a_thing()` | names a thing, global | runs after the first (the app answers "already registered") | the whole request | 409 |
+//! | webhooks | `key::json("/id")?.names_a_thing()` | names a thing, global | the same event: replayed | [`Identity::Key`] | waits ([`OnConflict::Wait`]) |
+//!
 //! ```no_run
 //! # #[tokio::main]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::Duration;
 //! use axum::{Router, routing::post};
-//! use tower_idempotency::{IdempotencyLayer, Store, principal};
+//! use tower_idempotency::key::{self, KeySourceExt};
+//! use tower_idempotency::{IdempotencyLayer, Identity, OnConflict, Store, principal};
 //!
 //! #[derive(Clone)]
 //! struct Customer { id: String } // put into the request by your authentication layer
 //!
 //! async fn pay() -> &'static str { "paid" }
+//! async fn signup() -> &'static str { "created" }
+//! async fn stripe_event() -> &'static str { "received" }
 //!
-//! let layer = IdempotencyLayer::builder(Store::redis("redis://127.0.0.1:6379/")?)
-//!     .secret(std::env::var("IDEMPOTENCY_SECRET")?)?
+//! let store = Store::redis("redis://127.0.0.1:6379/")?;
+//! let secret = std::env::var("IDEMPOTENCY_SECRET")?; // the same on every instance
+//!
+//! // An API: the client's Idempotency-Key, scoped to the customer.
+//! let payments = IdempotencyLayer::builder(store.clone())
+//!     .secret(&secret)?
 //!     .principal(principal::extension(|c: &Customer| c.id.clone()))
 //!     .build()?;
-//! let app: Router = Router::new().route("/payments", post(pay)).layer(layer);
+//! // One account per phone number; a misspelt signup (422) holds nothing.
+//! let signups = IdempotencyLayer::builder(store.clone())
+//!     .secret(&secret)?
+//!     .key(key::json("/phone")?.names_a_thing())
+//!     .build()?;
+//! // One application per event, however the provider serialises each delivery. (Check the
+//! // provider's signature in a layer outside this one: see examples/webhook.)
+//! let events = IdempotencyLayer::builder(store)
+//!     .secret(&secret)?
+//!     .key(key::json("/id")?.names_a_thing())
+//!     .identity(Identity::Key)
+//!     .on_conflict(OnConflict::Wait(Duration::from_secs(10)))
+//!     .retention(Duration::from_secs(7 * 24 * 3600)) // past the provider's 3-day retries
+//!     .build()?;
+//! let app: Router = Router::new()
+//!     .route("/payments", post(pay).route_layer(payments))
+//!     .route("/signup", post(signup).route_layer(signups))
+//!     .route("/webhooks/stripe", post(stripe_event).route_layer(events));
 //! # Ok(()) }
 //! ```
 //!
 //! Per covered request (POST and PATCH by default):
 //!
 //! 1. **Key**: from the `Idempotency-Key` header, a JSON field (`/phone`), a form field, a path
-//!    or query parameter, or a closure ([`key`]). It is scoped to the method, the matched route
-//!    and the principal ([`principal`]; a key chosen by clients needs one, or the explicit
-//!    [`global_keys`](IdempotencyLayerBuilder::global_keys)). With the server
+//!    or query parameter, or a closure ([`key`]), of one of two kinds ([`KeyKind`]): a key the
+//!    client chose for one request, or a key that names a thing. It is scoped to the method,
+//!    the matched route and the principal ([`principal`]; a per-request key needs one, or the
+//!    explicit [`global_keys`](IdempotencyLayerBuilder::global_keys)). With the server
 //!    [`secret`](IdempotencyLayerBuilder::secret), Redis (Cluster, Sentinel, Redlock) sees only
 //!    keyed hashes, records sealed with AES-256-GCM, lease tokens and fence counters: nothing
 //!    readable or forgeable without the request and the secret. (The in-memory store, which
 //!    never leaves the process, keeps its records in clear.)
-//! 2. **Fingerprint**: HMAC-SHA256 (under the server secret) of the method, path, chosen headers and body. A key reused for a
-//!    different request gets **422**.
+//! 2. **Identity** ([`Identity`]): HMAC-SHA256 (under the server secret) of what identifies
+//!    the request beyond its key (the whole request by default). An identical resend is
+//!    replayed; a different request gets **422** with a per-request key, and runs, once no other
+//!    request about the thing runs, with a key that names a thing.
 //! 3. **Begin**, one atomic step in the store: a stored response is **replayed** (same status,
 //!    headers and body, plus `Idempotent-Replayed: true`); a request in flight gets **409** with
 //!    `Retry-After` (or, with [`OnConflict::Wait`], waits for it and replays its response);
@@ -44,12 +81,13 @@
 //! 5. **Complete**, one atomic step: only if the lease is still ours, the response is stored for
 //!    the retention (24 h) and the lease dropped. The handler decides what a retry may do
 //!    ([`Outcome`]: final, even a 5xx, or retryable: the key is released and nothing stored);
-//!    without a decision the status decides ([`outcome`]). A panic or a body that breaks off
+//!    without a decision the status decides ([`outcome`]: a 4xx was refused without effect and
+//!    holds nothing, a 408 from a timeout inside the layer is unknown). A panic or a body that breaks off
 //!    records an `outcome-unknown` problem for retries (or releases the key:
 //!    [`UnknownOutcome`]).
 //!
-//! Rejections are `application/problem+json` responses ([`problem`]); the handler never runs for
-//! them. With the store unreachable the layer fails closed (503) unless built with
+//! Rejections are `application/problem+json` responses ([`problem`]), or HTML pages for a
+//! person's browser ([`problem::html`]); the handler never runs for them. With the store unreachable the layer fails closed (503) unless built with
 //! [`fail_open`](IdempotencyLayerBuilder::fail_open).
 //!
 //! # Streaming responses
@@ -98,9 +136,9 @@
 //!   finish and store its outcome. Inside, it cancels the handler, and the layer sees only
 //!   what the timeout answers in its place: tower's `Timeout` returns an error, an unknown
 //!   outcome ([`UnknownOutcome`]); tower-http's `TimeoutLayer` returns a response, 408 by
-//!   default, which the default outcome rule counts as not processed, so the key is released
-//!   and a retry runs the handler again although the cancelled run may have done part of its
-//!   work (with another status, that response is stored and replayed).
+//!   default, which the default outcome rule counts as unknown too (the cancelled run may have
+//!   done part of its work): a retry gets `outcome-unknown`, never a second run (with another
+//!   status, that response is stored and replayed).
 //!
 //! ```no_run
 //! # #[tokio::main]
@@ -163,6 +201,7 @@ mod drive;
 mod execution;
 mod fingerprint;
 mod future;
+pub mod identity;
 pub mod key;
 pub mod layer;
 mod metrics;
@@ -184,7 +223,8 @@ pub use context::MissingIdempotencyContext;
 pub use distlock;
 pub use distlock::ConfigError;
 pub use future::ResponseFuture;
-pub use key::{KeySource, KeySourceExt};
+pub use identity::Identity;
+pub use key::{KeyKind, KeySource, KeySourceExt};
 pub use layer::{
     DEFAULT_COMPLETION_GRACE, IdempotencyLayer, IdempotencyLayerBuilder, MAX_COMPLETION_GRACE,
     OnConflict, ReplayHeaders,
@@ -237,7 +277,8 @@ pub mod internals {
         parts: &http::request::Parts,
         key: &str,
     ) -> ([u8; 32], String) {
-        let derived = crate::scope::derive(&keys.0, parts, None, key, true);
+        let derived =
+            crate::scope::derive(&keys.0, parts, None, key, crate::scope::Naming::Key, true);
         (derived.record_key.unwrap_or_default(), derived.name)
     }
 
@@ -313,3 +354,8 @@ pub mod internals {
         }
     }
 }
+
+/// The README's Rust snippets compile as shown.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

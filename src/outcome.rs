@@ -19,27 +19,37 @@
 //! }
 //! ```
 //!
-//! Without a decision, [`default_outcome`] decides from the status: the statuses that say
-//! "not processed" are retryable (408, 409, 425, 429, 503, and 401/403, which an
-//! authentication extractor answers before the handler runs: a client that refreshes its token
-//! must not get the old 401 replayed for 24 hours); every other status is final, 5xx included.
+//! Without a decision, [`default_outcome`] decides from the status:
+//!
+//! | status | outcome | why |
+//! |---|---|---|
+//! | 2xx, 3xx | final | the work was done |
+//! | 402 | final | a result of the work (a declined card), as Stripe replays it |
+//! | 408 | unknown | inside the layer, a timeout (tower-http's `TimeoutLayer`) answers 408 for a handler it cancelled, which may have done part of its work: never "not processed" |
+//! | other 4xx: 400, 401, 403, 404, 409, 413, 415, 422, 429, ... | retryable | refused without effect (an extractor's rejection, a validation error, "already registered", authentication): nothing is stored, the corrected request runs |
+//! | 503 | retryable | not processed, try later |
+//! | other 5xx | final | the handler may have committed before it failed |
+//!
 //! [`IdempotencyLayerBuilder::default_outcome`](crate::IdempotencyLayerBuilder::default_outcome)
 //! replaces the rule. A gRPC error (a trailers-only response: HTTP 200 with `grpc-status`) is
-//! decided by its gRPC code the same way: `RESOURCE_EXHAUSTED`, `ABORTED`, `UNAVAILABLE`,
-//! `UNAUTHENTICATED` and `PERMISSION_DENIED` are retryable, every other code final.
+//! decided by its gRPC code the same way ([`grpc_outcome`]).
 //!
-//! Why final by default, even for a 500: a handler that may have committed must never be run
-//! again silently. Stripe stores and replays 500s for the same reason. AWS Lambda Powertools
-//! deletes the record when the function raises and stores what it returns, which re-runs a
-//! handler that failed after its side effect. The IETF draft (`draft-ietf-httpapi-idempotency-key-header`)
-//! leaves error responses as an open question. Here the handler, which knows whether it
-//! committed, decides; the default only errs on the side of not running twice.
+//! Compared with others: Stripe saves no result when a request fails validation or conflicts
+//! with one in flight, and replays everything an endpoint that started executing answered,
+//! 500s included; AWS Lambda Powertools deletes the record when the function raises, which
+//! runs a function that failed after its side effect again; `@nestjs/idempotency` stores what
+//! its `storeIf` allows (by default statuses below 500), which replays a validation error for
+//! the whole retention and runs a failed handler again. Here a 4xx is what the application
+//! refused, so nothing happened and nothing is kept; a 5xx (but 503) may have committed, so it
+//! is kept; and what a timeout cut short is unknown. The handler, which knows whether it
+//! committed, can always say otherwise.
 //!
 //! # Outcome unknown
 //!
-//! A handler that panics, a service that returns an error (for example a timeout inside the
-//! layer cancelled the handler), or a response body that fails half-way: the work may or may
-//! not have happened. [`UnknownOutcome::Record`] (the default) stores an `outcome-unknown`
+//! A handler that panics, a service that returns an error (for example tower's `Timeout`
+//! inside the layer cancelled the handler), a 408 (tower-http's `TimeoutLayer` inside the layer)
+//! or an [`Outcome::Unknown`] of the handler's, or a response body that fails half-way: the work
+//! may or may not have happened. [`UnknownOutcome::Record`] (the default) stores an `outcome-unknown`
 //! problem (500, with the attempt's fencing token so that an operator can reconcile) that every
 //! retry receives; [`UnknownOutcome::Release`] releases the key so that a retry runs the handler
 //! again. The default is `Record` by the same principle: running twice is the failure this
@@ -69,6 +79,10 @@ pub enum Outcome {
     Final,
     /// Nothing was committed: release the key, store nothing; a retry runs the handler again.
     Retryable,
+    /// The work may or may not have been done (it was cut short): what the layer's
+    /// [`UnknownOutcome`] policy says (by default retries get an `outcome-unknown` problem; see
+    /// the [module docs](self#outcome-unknown)). The response still goes to the client.
+    Unknown,
 }
 
 /// Whether a final response's body is kept for replay (a response extension; default
@@ -95,26 +109,37 @@ pub enum KeepBody {
     No,
 }
 
-/// The default decision when the handler gave none: retryable for the statuses that mean "not
-/// processed" (401, 403, 408, 409, 425, 429, 503), final for every other status.
+/// The default decision when the handler gave none (see the [module docs](self)): retryable
+/// for a 4xx (refused without effect) but 402 (final) and 408 (unknown: a timeout inside the
+/// layer cut the handler short), and for 503; final for every other status.
 ///
 /// ```
 /// use http::StatusCode;
 /// use tower_idempotency::{Outcome, outcome::default_outcome};
 /// assert_eq!(default_outcome(StatusCode::CREATED), Outcome::Final);
 /// assert_eq!(default_outcome(StatusCode::INTERNAL_SERVER_ERROR), Outcome::Final);
+/// assert_eq!(default_outcome(StatusCode::UNPROCESSABLE_ENTITY), Outcome::Retryable);
 /// assert_eq!(default_outcome(StatusCode::TOO_MANY_REQUESTS), Outcome::Retryable);
-/// assert_eq!(default_outcome(StatusCode::UNAUTHORIZED), Outcome::Retryable);
+/// assert_eq!(default_outcome(StatusCode::PAYMENT_REQUIRED), Outcome::Final);
+/// assert_eq!(default_outcome(StatusCode::REQUEST_TIMEOUT), Outcome::Unknown);
 /// ```
 pub fn default_outcome(status: StatusCode) -> Outcome {
     match status.as_u16() {
-        401 | 403 | 408 | 409 | 425 | 429 | 503 => Outcome::Retryable,
+        402 => Outcome::Final,
+        408 => Outcome::Unknown,
+        400..=499 | 503 => Outcome::Retryable,
         _ => Outcome::Final,
     }
 }
 
 /// The default decision for a gRPC trailers-only response (`grpc-status` in its headers), by
-/// its gRPC code; `None` for any other response.
+/// its gRPC code as [`default_outcome`] decides by status; `None` for any other response.
+///
+/// | code | outcome |
+/// |---|---|
+/// | `OK` and every code not listed (`INTERNAL`, `UNKNOWN`, `DATA_LOSS`, ...) | final |
+/// | `INVALID_ARGUMENT`, `NOT_FOUND`, `ALREADY_EXISTS`, `PERMISSION_DENIED`, `RESOURCE_EXHAUSTED`, `FAILED_PRECONDITION`, `ABORTED`, `OUT_OF_RANGE`, `UNAVAILABLE`, `UNAUTHENTICATED` | retryable |
+/// | `DEADLINE_EXCEEDED`, `CANCELLED` | unknown |
 ///
 /// ```
 /// use tower_idempotency::{Outcome, outcome::grpc_outcome};
@@ -123,7 +148,11 @@ pub fn default_outcome(status: StatusCode) -> Outcome {
 /// headers.insert("grpc-status", "14".parse().unwrap()); // UNAVAILABLE
 /// assert_eq!(grpc_outcome(&headers), Some(Outcome::Retryable));
 /// headers.insert("grpc-status", "3".parse().unwrap()); // INVALID_ARGUMENT
+/// assert_eq!(grpc_outcome(&headers), Some(Outcome::Retryable));
+/// headers.insert("grpc-status", "13".parse().unwrap()); // INTERNAL
 /// assert_eq!(grpc_outcome(&headers), Some(Outcome::Final));
+/// headers.insert("grpc-status", "4".parse().unwrap()); // DEADLINE_EXCEEDED
+/// assert_eq!(grpc_outcome(&headers), Some(Outcome::Unknown));
 /// ```
 pub fn grpc_outcome(headers: &http::HeaderMap) -> Option<Outcome> {
     let grpc = headers
@@ -134,7 +163,8 @@ pub fn grpc_outcome(headers: &http::HeaderMap) -> Option<Outcome> {
     }
     let code: u8 = headers.get("grpc-status")?.to_str().ok()?.parse().ok()?;
     Some(match code {
-        7 | 8 | 10 | 14 | 16 => Outcome::Retryable,
+        3 | 5 | 6 | 7 | 8 | 9 | 10 | 11 | 14 | 16 => Outcome::Retryable,
+        1 | 4 => Outcome::Unknown,
         _ => Outcome::Final,
     })
 }
@@ -170,6 +200,7 @@ impl DecisionCell {
         let code = match outcome {
             Outcome::Final => 1,
             Outcome::Retryable => 2,
+            Outcome::Unknown => 3,
         };
         self.0.store(code, Ordering::Release);
     }
@@ -178,6 +209,7 @@ impl DecisionCell {
         match self.0.load(Ordering::Acquire) {
             1 => Some(Outcome::Final),
             2 => Some(Outcome::Retryable),
+            3 => Some(Outcome::Unknown),
             _ => None,
         }
     }

@@ -22,6 +22,7 @@ use crate::complete::joined;
 use crate::execution::Execution;
 use crate::layer::Config;
 use crate::metrics::Event;
+use crate::problem::html::EarlierAnswer;
 use crate::record::{Head, Kind, Part, Record, Sealer};
 
 /// Marks a replayed response.
@@ -214,7 +215,15 @@ fn check<B>(
     stored: &Stored<'_>,
 ) -> Result<(), (Response<ResponseBody<B>>, Event)> {
     if &head.fingerprint != stored.fingerprint {
-        return Err((problem(config, &Rejection::KeyReused), Event::Mismatch));
+        let mut refused = problem(config, &Rejection::KeyReused);
+        // Where the first answer points (a created account), for a person's page.
+        if let Some(location) = (head.headers.get(http::header::LOCATION))
+            .filter(|_| config.replay_headers.keeps(&http::header::LOCATION))
+            .and_then(|l| l.to_str().ok())
+        {
+            (refused.extensions_mut()).insert(EarlierAnswer(location.to_owned()));
+        }
+        return Err((refused, Event::Mismatch));
     }
     // A response negotiated for other request headers (a gzip body for a client that accepts
     // only identity) is not this request's to replay.

@@ -5,11 +5,27 @@
 //! another user's response. The scope and the key derive, under the server secret, the store
 //! name and the record key ([`crate::secret`]): no phone number, e-mail or other raw input
 //! reaches the store.
+//!
+//! A [key that names a thing](crate::key::KeyKind::Thing) derives two names: the thing's lock,
+//! which requests about the thing take one at a time, and a record per request identity (the
+//! key and the fingerprint), so that a different request about the thing runs while an
+//! identical resend of an earlier one still finds its outcome.
 
 use http::request::Parts;
 
 use crate::key::route_template;
 use crate::secret::{Derived, Keys};
+
+/// What a derivation names.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Naming<'a> {
+    /// The record of a per-request key (also its lease).
+    Key,
+    /// The lock of a thing.
+    Thing,
+    /// The record of one request about a thing: the thing's key with this fingerprint.
+    Record(&'a [u8; 32]),
+}
 
 /// The store name and record key of `key` on this request, for `principal` (`None`: keys are
 /// global).
@@ -18,6 +34,7 @@ pub(crate) fn derive(
     parts: &Parts,
     principal: Option<&str>,
     key: &str,
+    naming: Naming<'_>,
     sealed: bool,
 ) -> Derived {
     let method = parts.method.as_str().as_bytes();
@@ -29,22 +46,34 @@ pub(crate) fn derive(
     let len = |b: &[u8]| (b.len() as u64).to_be_bytes();
     let (l_method, l_route, l_who, l_key) =
         (len(method), len(route), len(who), len(key.as_bytes()));
+    // After the key's length-prefixed field, a thing's names add one of their own (so they
+    // never equal a per-request key's, whose info ends with the key).
+    let (l_what, what): ([u8; 8], &[u8]) = match naming {
+        Naming::Key => ([0; 8], &[]),
+        Naming::Thing => (len(b"thing"), b"thing"),
+        Naming::Record(fingerprint) => (len(fingerprint), fingerprint),
+    };
+    let named: &[&[u8]] = match naming {
+        Naming::Key => &[],
+        _ => &[&l_what, what],
+    };
     // Length-prefixed fields: field boundaries cannot be forged.
-    keys.derive(
-        &[
-            b"tower-idempotency/scope/v3",
-            &l_method,
-            method,
-            &l_route,
-            route,
-            scoped,
-            &l_who,
-            who,
-            &l_key,
-            key.as_bytes(),
-        ],
-        sealed,
-    )
+    let info: [&[u8]; 10] = [
+        b"tower-idempotency/scope/v3",
+        &l_method,
+        method,
+        &l_route,
+        route,
+        scoped,
+        &l_who,
+        who,
+        &l_key,
+        key.as_bytes(),
+    ];
+    let mut all = [&[][..]; 12];
+    all[..10].copy_from_slice(&info);
+    all[10..10 + named.len()].copy_from_slice(named);
+    keys.derive(&all[..10 + named.len()], sealed)
 }
 
 #[cfg(test)]
@@ -66,7 +95,7 @@ mod tests {
     fn scope_separates_methods_routes_and_principals() {
         let keys = Keys::new(Some(b"a server secret, 32 bytes long.."));
         let name = |method, uri, who: Option<&str>, key| {
-            derive(&keys, &parts(method, uri), who, key, true).name
+            derive(&keys, &parts(method, uri), who, key, Naming::Key, true).name
         };
         let a = name("POST", "/pay", Some("alice"), "k1");
         assert_eq!(a.len(), 64);
@@ -97,8 +126,46 @@ mod tests {
         two.extensions
             .insert(RouteTemplate("/orders/{id}/pay".into()));
         assert_eq!(
-            derive(&keys, &one, None, "k", true).name,
-            derive(&keys, &two, None, "k", true).name
+            derive(&keys, &one, None, "k", Naming::Key, true).name,
+            derive(&keys, &two, None, "k", Naming::Key, true).name
         );
+    }
+
+    #[test]
+    fn a_thing_names_its_lock_and_a_record_per_fingerprint() {
+        let keys = Keys::new(Some(b"a server secret, 32 bytes long.."));
+        let p = parts("POST", "/signup");
+        let named = |naming| derive(&keys, &p, None, "+15550100", naming, true);
+        let (key, thing) = (named(Naming::Key), named(Naming::Thing));
+        let (a, b) = (
+            named(Naming::Record(&[1; 32])),
+            named(Naming::Record(&[2; 32])),
+        );
+        let names = [&key.name, &thing.name, &a.name, &b.name];
+        for (i, x) in names.iter().enumerate() {
+            for y in &names[i + 1..] {
+                assert_ne!(x, y);
+            }
+        }
+        assert_ne!(a.record_key, b.record_key);
+        assert_eq!(
+            a.name,
+            named(Naming::Record(&[1; 32])).name,
+            "deterministic"
+        );
+        // The per-request name is the one it always was (records stored before still match).
+        let info: [&[u8]; 10] = [
+            b"tower-idempotency/scope/v3",
+            &4u64.to_be_bytes(),
+            b"POST",
+            &7u64.to_be_bytes(),
+            b"/signup",
+            b"\x00",
+            &0u64.to_be_bytes(),
+            b"",
+            &9u64.to_be_bytes(),
+            b"+15550100",
+        ];
+        assert_eq!(key.name, keys.derive(&info, true).name);
     }
 }

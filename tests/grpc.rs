@@ -96,7 +96,8 @@ async fn calls_and_retries(s: TestStore) {
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::Unauthenticated);
-    // The handler's own errors: INVALID_ARGUMENT is final (replayed), UNAVAILABLE retryable.
+    // The handler's own errors: INVALID_ARGUMENT, as a 4xx, is refused without effect (not
+    // stored: the corrected call runs with the key), UNAVAILABLE retryable.
     let calls = ledger.calls.load(Ordering::SeqCst);
     for _ in 0..2 {
         let zero = create_payment(channel.clone(), "m1", Some("zero"), create("o2", 0))
@@ -104,7 +105,7 @@ async fn calls_and_retries(s: TestStore) {
             .unwrap_err();
         assert_eq!(zero.code(), Code::InvalidArgument);
     }
-    assert_eq!(ledger.calls.load(Ordering::SeqCst), calls + 1, "replayed");
+    assert_eq!(ledger.calls.load(Ordering::SeqCst), calls + 2, "not stored");
     for _ in 0..2 {
         let down = create_payment(
             channel.clone(),
@@ -116,7 +117,7 @@ async fn calls_and_retries(s: TestStore) {
         .unwrap_err();
         assert_eq!(down.code(), Code::Unavailable);
     }
-    assert_eq!(ledger.calls.load(Ordering::SeqCst), calls + 3, "run again");
+    assert_eq!(ledger.calls.load(Ordering::SeqCst), calls + 4, "run again");
     assert_eq!(ledger.payments().len(), 2);
 }
 

@@ -12,6 +12,7 @@ use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use support::{Reply, TestStore, app, open_request, post_key, send, serve, wait_until, within};
 use tower::ServiceExt;
+use tower_idempotency::key::KeySourceExt;
 use tower_idempotency::{OnConflict, Outcome, UnknownOutcome, key, principal};
 
 macro_rules! suite {
@@ -274,41 +275,61 @@ async fn decide(app: &axum::Router, key: &str, query: &str) -> Reply {
     send(app, post_key(&format!("/decide?{query}"), key, "")).await
 }
 
+/// What a retry of a decided request gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Retry {
+    /// The stored response.
+    Stored,
+    /// A second run.
+    Released,
+    /// An outcome-unknown problem.
+    Unknown,
+}
+use Retry::{Released, Stored, Unknown};
+
 async fn the_handler_decides_what_a_retry_may_do(s: TestStore) {
     let (app, probe) = app(&s.store, |b| b);
-    // (query, stored): a 5xx is final unless the handler says otherwise (the work may have
-    // committed); "not processed" statuses are retryable unless the handler says otherwise.
+    // (query, what a retry gets): a 5xx is final unless the handler says otherwise (the work may
+    // have committed); a 4xx is refused without effect (nothing stored, the retry runs) but 402
+    // (a result) and 408 (a timeout cut the handler short: unknown); 503 is not processed.
     let cases = [
-        ("status=500", true),
-        ("status=201", true),
-        ("status=422", true),
-        ("status=502", true),
-        ("status=503", false),
-        ("status=429", false),
-        ("status=409", false),
-        ("status=408", false),
-        ("status=401", false),
-        ("status=403", false),
-        ("status=500&outcome=retryable", false),
-        ("status=201&outcome=retryable", false),
-        ("status=503&outcome=final", true),
-        ("status=500&outcome=ctx-retryable", false),
-        ("status=429&outcome=ctx-final", true),
+        ("status=500", Stored),
+        ("status=201", Stored),
+        ("status=502", Stored),
+        ("status=402", Stored),
+        ("status=422", Released),
+        ("status=400", Released),
+        ("status=404", Released),
+        ("status=503", Released),
+        ("status=429", Released),
+        ("status=409", Released),
+        ("status=401", Released),
+        ("status=403", Released),
+        ("status=408", Unknown),
+        ("status=500&outcome=retryable", Released),
+        ("status=201&outcome=retryable", Released),
+        ("status=503&outcome=final", Stored),
+        ("status=500&outcome=ctx-retryable", Released),
+        ("status=429&outcome=ctx-final", Stored),
+        ("status=422&outcome=ctx-final", Stored),
     ];
-    for (i, (query, stored)) in cases.into_iter().enumerate() {
+    for (i, (query, expected)) in cases.into_iter().enumerate() {
         let key = format!("decision-{i}");
         let runs = probe.runs();
         let first = decide(&app, &key, query).await;
         assert!(!first.replayed());
         let again = decide(&app, &key, query).await;
-        assert_eq!(again.replayed(), stored, "{query}: {again:?}");
-        if stored {
-            assert_eq!(again.status, first.status, "{query}");
-            assert_eq!(again.body, first.body, "{query}");
-            assert_eq!(probe.runs(), runs + 1, "{query}: not run again");
-        } else {
-            assert_eq!(probe.runs(), runs + 2, "{query}: the retry ran again");
+        assert_eq!(again.replayed(), expected != Released, "{query}: {again:?}");
+        match expected {
+            Stored => {
+                assert_eq!(again.status, first.status, "{query}");
+                assert_eq!(again.body, first.body, "{query}");
+            }
+            Unknown => assert_eq!(again.problem(), "outcome-unknown", "{query}"),
+            Released => {}
         }
+        let ran = if expected == Released { 2 } else { 1 };
+        assert_eq!(probe.runs(), runs + ran, "{query}: run {ran} time(s)");
     }
     // A default rule of the user's own.
     let (app, probe) = app_with_default(&s.store);
@@ -942,8 +963,21 @@ async fn keys_from_the_json_body(s: TestStore) {
     assert_eq!(first.status, StatusCode::CREATED);
     let again = send(&app, signup(r#"{"phone":"+15550100","name":"Ada"}"#)).await;
     assert!(again.replayed());
+    // Another request about the same phone number (a key that names a thing) runs: the
+    // application answers it; each is replayed to its own resends.
     let other = send(&app, signup(r#"{"phone":"+15550100","name":"Eve"}"#)).await;
-    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(other.status, StatusCode::CREATED);
+    assert!(!other.replayed());
+    let first_again = send(&app, signup(r#"{"phone":"+15550100","name":"Ada"}"#)).await;
+    assert_eq!(
+        (first_again.replayed(), &first_again.body),
+        (true, &first.body)
+    );
+    let other_again = send(&app, signup(r#"{"phone":"+15550100","name":"Eve"}"#)).await;
+    assert_eq!(
+        (other_again.replayed(), &other_again.body),
+        (true, &other.body)
+    );
     for (body, status) in [
         (r#"{"name":"no phone"}"#, StatusCode::BAD_REQUEST),
         (r#"{"phone":null}"#, StatusCode::BAD_REQUEST),
@@ -960,6 +994,14 @@ async fn keys_from_the_json_body(s: TestStore) {
         send(&app, wrong_type).await.status,
         StatusCode::UNSUPPORTED_MEDIA_TYPE
     );
+    assert_eq!(probe.runs(), 2);
+    // A key the client generates in the body is a per-request key: another body is refused.
+    let (by_client, probe) =
+        support::app(&s.store, |b| b.key(key::json("/k").unwrap().per_request()));
+    let first = send(&by_client, signup(r#"{"k":"x-1","amount":1}"#)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let other = send(&by_client, signup(r#"{"k":"x-1","amount":2}"#)).await;
+    assert_eq!(other.problem(), "key-reused");
     assert_eq!(probe.runs(), 1);
 }
 

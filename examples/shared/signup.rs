@@ -3,11 +3,17 @@
 //! two concurrent signups with one phone number both pass the check; the idempotency layer keyed
 //! by the phone number closes that hole on every instance at once.
 //!
+//! The phone number is a key that names a thing: an identical resend is replayed, a signup
+//! refused without effect (a misspelt field: 422) holds nothing, so the corrected one runs, and
+//! another person's signup with a registered number reaches the handler and gets its answer
+//! (409 "already registered"), never an instruction to change a key nobody chose.
+//!
 //! The same service for people: `GET /` serves an HTML form (no JavaScript) whose every render
-//! carries its own idempotency key in a hidden field. `POST /signup/form` answers
-//! post/redirect/get, `303 See Other` to the account's page, and the layer keyed by that hidden
-//! field replays the redirect for a second click, a resubmission after the back button, or the
-//! same form sent from another tab to another instance: one account, one result page.
+//! carries its own idempotency key in a hidden field (a key the client chose for one request).
+//! `POST /signup/form` answers post/redirect/get, `303 See Other` to the account's page, and the
+//! layer keyed by that hidden field replays the redirect for a second click, a resubmission
+//! after the back button, or the same form sent from another tab to another instance: one
+//! account, one result page. A refusal is a page, not JSON.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -19,7 +25,8 @@ use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
-use tower_idempotency::{IdempotencyContext, IdempotencyLayer, OnConflict, Store, key};
+use tower_idempotency::key::{self, KeySourceExt};
+use tower_idempotency::{IdempotencyContext, IdempotencyLayer, OnConflict, Store};
 
 /// The hidden form field that carries the idempotency key of one render of the form.
 pub(crate) const FORM_KEY_FIELD: &str = "idempotency_key";
@@ -71,6 +78,25 @@ impl Users {
 /// Why an account was not created.
 enum Refused {
     AlreadyRegistered,
+    Invalid(&'static str),
+}
+
+/// The application's own validation: nothing is created for a signup that fails it.
+fn validate(phone: &str, name: &str) -> Result<(), Refused> {
+    let digits = phone.chars().filter(char::is_ascii_digit).count();
+    let allowed = phone
+        .chars()
+        .enumerate()
+        .all(|(i, c)| c.is_ascii_digit() || c == ' ' || (i == 0 && c == '+'));
+    if !allowed || !(6..=15).contains(&digits) {
+        return Err(Refused::Invalid(
+            "the phone number must be 6 to 15 digits, with an optional leading +",
+        ));
+    }
+    if name.trim().is_empty() {
+        return Err(Refused::Invalid("the name must not be empty"));
+    }
+    Ok(())
 }
 
 /// Article 004's register(): check, then insert. Not atomic on its own.
@@ -80,6 +106,7 @@ async fn register(
     name: String,
     ctx: Option<&IdempotencyContext>,
 ) -> Result<User, Refused> {
+    validate(&phone, &name)?;
     let exists = users.rows.lock().unwrap().iter().any(|u| u.phone == phone);
     if exists {
         return Err(Refused::AlreadyRegistered);
@@ -116,6 +143,7 @@ async fn signup(
             StatusCode::CONFLICT,
             "phone number already registered".into(),
         )),
+        Err(Refused::Invalid(why)) => Err((StatusCode::UNPROCESSABLE_ENTITY, why.into())),
     }
 }
 
@@ -124,6 +152,8 @@ async fn signup(
 pub(crate) struct FormSignup {
     pub(crate) phone: String,
     pub(crate) name: String,
+    #[serde(rename = "idempotency_key")]
+    pub(crate) key: String,
 }
 
 /// Text for HTML.
@@ -154,7 +184,30 @@ input {{ width: 100%; padding: .5rem; font-size: 1rem; box-sizing: border-box; }
 button {{ margin-top: 1.5rem; padding: .6rem 1.6rem; font-size: 1rem; background: #2456d6; color: white; border: 0; border-radius: .3rem; }}
 .card {{ border: 1px solid #d5dae3; border-radius: .5rem; padding: 1rem 1.5rem; background: #f6f8fb; }}
 .count {{ font-size: 1.2rem; font-weight: 700; color: #137333; }}
+.error {{ color: #b3261e; font-weight: 600; }}
 </style></head><body>{body}</body></html>"#
+    )
+}
+
+/// The signup form carrying `key`, filled with what was sent, and the reason it was refused.
+fn form_page(key: &str, name: &str, phone: &str, error: Option<&str>) -> String {
+    let error = error.map_or(String::new(), |e| {
+        format!(r#"<p class="error" id="error">{}</p>"#, escape(e))
+    });
+    page(
+        "Sign up",
+        &format!(
+            r#"<h1>Create your account</h1>{error}
+<form method="post" action="/signup/form">
+<input type="hidden" name="{FORM_KEY_FIELD}" value="{key}">
+<label for="name">Name</label><input id="name" name="name" value="{name}" required>
+<label for="phone">Phone number</label><input id="phone" name="phone" type="tel" value="{phone}" required>
+<button id="submit" type="submit">Sign up</button>
+</form>"#,
+            key = escape(key),
+            name = escape(name),
+            phone = escape(phone),
+        ),
     )
 }
 
@@ -163,18 +216,7 @@ async fn form() -> impl IntoResponse {
     let mut key = [0u8; 16];
     rand::fill(&mut key[..]);
     let key: String = key.iter().map(|b| format!("{b:02x}")).collect();
-    Html(page(
-        "Sign up",
-        &format!(
-            r#"<h1>Create your account</h1>
-<form method="post" action="/signup/form">
-<input type="hidden" name="{FORM_KEY_FIELD}" value="{key}">
-<label for="name">Name</label><input id="name" name="name" required>
-<label for="phone">Phone number</label><input id="phone" name="phone" type="tel" required>
-<button id="submit" type="submit">Sign up</button>
-</form>"#
-        ),
-    ))
+    Html(form_page(&key, "", "", None))
 }
 
 /// `POST /signup/form`: creates the account and answers `303 See Other` to its page
@@ -184,6 +226,7 @@ async fn form_signup(
     ctx: Option<IdempotencyContext>,
     Form(form): Form<FormSignup>,
 ) -> Response {
+    let (key, name, phone) = (form.key.clone(), form.name.clone(), form.phone.clone());
     match register(&users, form.phone, form.name, ctx.as_ref()).await {
         Ok(user) => (
             StatusCode::SEE_OTHER,
@@ -196,6 +239,12 @@ async fn form_signup(
                 "Already registered",
                 r#"<h1>This phone number is already registered</h1><p><a href="/">Back</a></p>"#,
             )),
+        )
+            .into_response(),
+        // Nothing was created: the same form (and key) comes back to be corrected.
+        Err(Refused::Invalid(why)) => (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Html(form_page(&key, &name, &phone, Some(why))),
         )
             .into_response(),
     }
@@ -244,9 +293,10 @@ pub(crate) fn unprotected(users: Users) -> Router {
 }
 
 /// The service with signups made idempotent: the JSON API by phone number (a key that names a
-/// person, global by nature, and guessable: the server secret keeps it out of reach in the
-/// store), the HTML form by the key of its render (a second click, a resubmission or another
-/// tab waits for the first submission and gets its redirect).
+/// thing, global by nature, and guessable: the server secret keeps it out of reach in the
+/// store), the HTML form by the key of its render (a key the client chose for one request: a
+/// second click, a resubmission or another tab waits for the first submission and gets its
+/// redirect; any visitor may send it, so keys are global).
 pub(crate) fn app(
     store: Store,
     secret: &[u8],
@@ -254,19 +304,20 @@ pub(crate) fn app(
 ) -> Result<Router, tower_idempotency::ConfigError> {
     let by_phone = IdempotencyLayer::builder(store.clone())
         .secret(secret)?
-        .key(key::json("/phone")?)
+        .key(key::json("/phone")?.names_a_thing())
         .build()?;
     let by_form = IdempotencyLayer::builder(store)
         .secret(secret)?
-        .key(key::form(FORM_KEY_FIELD))
+        .key(key::form(FORM_KEY_FIELD).per_request())
+        .global_keys()
         // A browser's second click cancels the first navigation and waits for its own answer:
         // give it the first submission's redirect, not a 409 page.
         .on_conflict(OnConflict::Wait(Duration::from_secs(10)))
         .build()?;
     Ok(Router::new()
         .route("/", get(form))
-        .route("/signup", post(signup).layer(by_phone))
-        .route("/signup/form", post(form_signup).layer(by_form))
+        .route("/signup", post(signup).route_layer(by_phone))
+        .route("/signup/form", post(form_signup).route_layer(by_form))
         .route("/accounts/{id}", get(account))
         .route("/users", get(list))
         .with_state(users))

@@ -642,6 +642,15 @@ impl TestStore {
         }
     }
 
+    /// The store of a second instance: the same in-memory store, or another client of the same
+    /// Redis under the same prefix.
+    pub async fn twin(&self) -> Store {
+        match &self.server {
+            None => self.store.clone(),
+            Some(server) => redis_store(&server.url(), self.store.client().prefix()).await,
+        }
+    }
+
     pub async fn redis(test: &str) -> Self {
         let server = RedisServer::start().await;
         let store = redis_store(&server.url(), &testkit::unique_prefix(test)).await;

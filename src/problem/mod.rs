@@ -24,7 +24,10 @@
 //! tell which rule answered. The `type` URIs point at these docs by default
 //! ([`problem_base`](crate::IdempotencyLayerBuilder::problem_base) changes the base), and
 //! [`render_rejections`](crate::IdempotencyLayerBuilder::render_rejections) renders them in
-//! your API's own error format (the status codes stay).
+//! your API's own error format (the status codes stay). A person's browser gets an HTML page
+//! instead ([`html`]).
+
+pub mod html;
 
 use std::time::Duration;
 
