@@ -12,6 +12,7 @@ use http_body::Body;
 
 use crate::body::{BoxError, RequestBody, ResponseBody, read_request};
 use crate::complete::{NEGOTIATED, joined};
+use crate::context::Enclosing;
 use crate::fingerprint::identify;
 use crate::layer::{Config, OnConflict};
 use crate::metrics::{Event, count, store_latency};
@@ -225,6 +226,12 @@ where
         config.seal,
     );
     let name = derived.name;
+    // A layer further out runs this request under this very name (the same layer on the router
+    // and on a nested router): it is protected there. Another name is another key: protected
+    // here too.
+    if Enclosing::holds(&parts.extensions, &name) {
+        return unprotected(parts, RequestBody::buffered(read));
+    }
     let once = match config.store.client().once(&name) {
         Ok(once) => once,
         Err(e) => unreachable!("a hex name is a valid lock name: {e}"),
@@ -292,6 +299,7 @@ where
                     negotiated.insert(name, value);
                 }
             }
+            Enclosing::hold(&mut parts.extensions, &name);
             parts
                 .extensions
                 .insert(IdempotencyContext::protected(name, lease, decision.clone()));

@@ -118,6 +118,33 @@ impl IdempotencyContext {
     }
 }
 
+/// The store names held for this request by the layers it went through (a layer on the router
+/// and one on a route, a batch endpoint that forwards its requests with their extensions): a
+/// layer finding its own name here passes the request through, instead of finding its key held
+/// by the execution it runs inside (409 for every request); a layer with another name (another
+/// key) protects the request as well.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Enclosing(Vec<String>);
+
+impl Enclosing {
+    /// Whether a layer the request went through holds `name`.
+    pub(crate) fn holds(extensions: &http::Extensions, name: &str) -> bool {
+        extensions
+            .get::<Enclosing>()
+            .is_some_and(|held| held.0.iter().any(|n| n == name))
+    }
+
+    /// Records that this request's execution holds `name`.
+    pub(crate) fn hold(extensions: &mut http::Extensions, name: &str) {
+        match extensions.get_mut::<Enclosing>() {
+            Some(held) => held.0.push(name.to_owned()),
+            None => {
+                extensions.insert(Enclosing(vec![name.to_owned()]));
+            }
+        }
+    }
+}
+
 #[cfg(feature = "axum")]
 mod extract {
     use axum::extract::FromRequestParts;

@@ -418,8 +418,23 @@ impl std::fmt::Debug for IdempotencyLayerBuilder {
     }
 }
 
-/// The longest stored response body accepted (Redis values are at most 512 MB).
-pub const MAX_RECORD_LIMIT: usize = 16 << 30;
+/// The longest stored response body accepted: 16 GiB (a streamed record is stored in parts of
+/// at most [`MAX_CHUNK_SIZE`]), or half the address space where `usize` is 32 bits.
+pub const MAX_RECORD_LIMIT: usize = record_cap(usize::MAX as u64) as usize;
+
+/// [`MAX_RECORD_LIMIT`] where `usize::MAX` is `usize_max`: computed in 64 bits (as a `usize`,
+/// `16 << 30` wraps to 0 on 32-bit targets, and no limit could be built there).
+const fn record_cap(usize_max: u64) -> u64 {
+    let cap = 16 << 30;
+    if cap < usize_max / 2 {
+        cap
+    } else {
+        usize_max / 2
+    }
+}
+
+// Every target can build a layer: the largest limit holds the default ones.
+const _: () = assert!(MAX_RECORD_LIMIT >= MAX_WHOLE_RECORD_LIMIT && MAX_RECORD_LIMIT >= 64 << 20);
 
 /// The longest response body stored on a store that does not stream (Redlock): it is kept in
 /// memory and stored as one value (Redis values are at most 512 MB).
@@ -1283,6 +1298,19 @@ mod tests {
         assert!(bare().secret(b"short").is_err());
         assert!(base().lease(Duration::from_millis(1)).is_err());
         assert!(base().fingerprint_headers(["bad header"]).is_err());
+    }
+
+    /// On a 32-bit target the record limit was 0 (`16 << 30` in a `usize`): `build()` always
+    /// failed with "between 1 and 0 bytes".
+    #[test]
+    fn the_record_limit_fits_every_address_space() {
+        assert_eq!(record_cap(u64::MAX), 16 << 30);
+        assert_eq!(record_cap(u64::from(u32::MAX)), u64::from(u32::MAX / 2));
+        assert!(
+            record_cap(u64::from(u32::MAX)) >= 64 << 20,
+            "the default fits"
+        );
+        assert_eq!(MAX_RECORD_LIMIT as u64, record_cap(usize::MAX as u64));
     }
 
     #[test]

@@ -125,13 +125,16 @@
 //!   apart and lets both through: put the layer on the nested service (a `Router` with the
 //!   layer on its routes; around any other service, build it with
 //!   [`cover_unmatched`](IdempotencyLayerBuilder::cover_unmatched)), or use `Router::nest`,
-//!   whose routes an outer layer covers. A layer inside another one passes through what the
-//!   outer one protects.
+//!   whose routes an outer layer covers. Layers nest: a layer inside another passes a request
+//!   through when an enclosing layer runs it under the same store name (the same layer on a
+//!   router and on a router nested in it), and protects it too when its key is another (a
+//!   router-wide header key and a route's phone number: both apply).
 //! * Keys are scoped per **route template**: under `Router::nest("/shops/{shop}", ...)` the
-//!   same key (a `key::path("id")` order id, a phone number in the body) used in two shops is
-//!   the same key with another request, refused with 422 (never replayed across them). When a
-//!   key is only unique within a path parameter, make the key carry it (a [`KeySource`] of
-//!   your own) or scope by a [`principal`].
+//!   same key used in two shops is one key with another request: for a per-request key,
+//!   refused with 422; for a key that names a thing (a `key::path("id")` order id), run one at
+//!   a time with the other shop's, never replayed across them. When a key is only unique
+//!   within a path parameter, make the key carry it (a [`KeySource`] of your own) or scope by
+//!   a [`principal`].
 //! * Timeouts **outside**: a `TimeoutLayer` outside answers the client and leaves the handler to
 //!   finish and store its outcome. Inside, it cancels the handler, and the layer sees only
 //!   what the timeout answers in its place: tower's `Timeout` returns an error, an unknown

@@ -89,16 +89,6 @@ fn unmatched<B>(request: &Request<B>) -> bool {
     }
 }
 
-/// Whether a layer further out already protects the request (a layer on the router and one on
-/// a router nested in it): this one passes it through, instead of finding its own key held by
-/// the outer one's execution (409 for every request).
-fn protected_outside<B>(request: &Request<B>) -> bool {
-    request
-        .extensions()
-        .get::<crate::IdempotencyContext>()
-        .is_some_and(crate::IdempotencyContext::is_protected)
-}
-
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>
@@ -129,7 +119,6 @@ where
         let inner = self.inner.clone();
         if !self.config.methods.contains(request.method())
             || (unmatched(&request) && !self.config.cover_unmatched)
-            || protected_outside(&request)
         {
             crate::metrics::count(crate::metrics::Event::Passthrough);
             return ResponseFuture::passthrough(inner, request.map(RequestBody::new));

@@ -197,6 +197,82 @@ async fn a_layer_inside_another_passes_protected_requests_through() {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
+/// A layer on the router keyed by the header, and one on the signup route keyed by the phone
+/// number: one person, two tabs, two header keys, one phone number at once. The inner layer
+/// must still exclude the second (it passed every request the outer one protected through:
+/// the handler ran twice, two accounts).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outer_layer_never_switches_an_inner_one_off() {
+    let store = Store::memory();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let signup = {
+        let runs = runs.clone();
+        move || async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            (StatusCode::CREATED, "account")
+        }
+    };
+    let by_phone = builder(&store)
+        .key(key::json("/phone").unwrap())
+        .build()
+        .unwrap();
+    let by_header = builder(&store).global_keys().build().unwrap();
+    let app = Router::new()
+        .route("/signup", post(signup).route_layer(by_phone))
+        .layer(by_header);
+    let body = r#"{"phone":"+15550199","name":"Ada"}"#;
+    let tabs: Vec<_> = ["tab-1", "tab-2"]
+        .into_iter()
+        .map(|tab| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, post_req("/signup", Some(tab), body)).await })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for tab in tabs {
+        statuses.push(within("a tab's answer", tab).await.unwrap().status);
+    }
+    statuses.sort();
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "two accounts: {statuses:?}");
+    assert_eq!(statuses, [StatusCode::CREATED, StatusCode::CONFLICT]);
+}
+
+/// A batch endpoint under the layer forwards its sub-requests, extensions and all, to routes
+/// under the same layer: each sub-request is protected by its own key (the batch's context
+/// switched the layer off for them: the same sub-request in two batches ran twice).
+#[tokio::test]
+async fn a_batch_forwarding_its_extensions_keeps_each_sub_request_protected() {
+    let store = Store::memory();
+    let (runs, pay) = counting();
+    let layer = builder(&store).global_keys().build().unwrap();
+    let inner = Router::new().route("/pay", post(pay)).layer(layer.clone());
+    let batch = {
+        let inner = inner.clone();
+        move |request: Request<Body>| {
+            let inner = inner.clone();
+            async move {
+                // Two sub-requests, each with its own key, carrying the batch's extensions.
+                let mut out = Vec::new();
+                for key in ["sub-1", "sub-2"] {
+                    let mut sub = post_req("/pay", Some(key), "{}");
+                    *sub.extensions_mut() = request.extensions().clone();
+                    let reply = send(&inner, sub).await;
+                    out.push(format!("{}:{}", reply.status.as_u16(), reply.replayed()));
+                }
+                out.join(",")
+            }
+        }
+    };
+    let app = Router::new().route("/batch", post(batch)).layer(layer);
+    let first = send(&app, post_req("/batch", Some("batch-1"), "{}")).await;
+    assert_eq!(first.body, "201:false,201:false", "{first:?}");
+    // Another batch with the same sub-requests: they are replayed, not run again.
+    let second = send(&app, post_req("/batch", Some("batch-2"), "{}")).await;
+    assert_eq!(second.body, "201:true,201:true", "{second:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
 /// A layer wrapping a plain service nested with `nest_service`: axum routes every request to
 /// it without a `MatchedPath`, as to a fallback, so by default the layer passes them all
 /// through (the second delivery ran again); built with `cover_unmatched`, it protects them.
