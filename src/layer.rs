@@ -559,8 +559,9 @@ impl IdempotencyLayerBuilder {
     ///
     /// Global means across hosts too: the scope is the method, the route and the key, not the
     /// `Host`, so one service reached through two host names keeps one key. Tenants told apart by
-    /// host, sharing routes and a store, scope their keys with a principal that reads it:
-    /// `.principal(|p: &http::request::Parts| p.headers.get("host")?.to_str().ok().map(String::from))`.
+    /// host, sharing routes and a store, scope their keys with
+    /// `.principal(principal::host())` ([`host`](crate::principal::host), which reads
+    /// HTTP/2's `:authority` too).
     ///
     /// ```
     /// # fn main() -> Result<(), tower_idempotency::ConfigError> {

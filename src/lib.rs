@@ -116,9 +116,11 @@
 //!   another request header (`Vary: X-Tenant`) is told apart by naming that header in
 //!   [`fingerprint_headers`](IdempotencyLayerBuilder::fingerprint_headers): a retry that sends
 //!   it differently is then another request (422).
-//! * On **the routes it protects**: `post(handler).route_layer(layer)` keeps axum's 405 for
-//!   methods a route does not have; under `Router::layer` (or `Router::route_layer`) axum
-//!   layers its 405 fallback too, and a covered method gets the layer's answer instead.
+//! * On **the routes it protects**, with `post(handler).route_layer(layer)` (this crate's docs
+//!   and examples use that form): the route's key is written where the route is, each route can
+//!   have the kind of key it needs, and axum's 405 stays for methods a route does not have.
+//!   Under `Router::layer` (or `Router::route_layer`) axum layers its 405 fallback too, and a
+//!   covered method gets the layer's answer instead.
 //!   Requests that match no route pass through either way (axum's 404).
 //! * **On, not above, a `Router::nest_service`**: axum routes a nested *service* without a
 //!   `MatchedPath`, exactly as it routes its fallback, so a layer above cannot tell the two

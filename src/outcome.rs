@@ -53,8 +53,8 @@
 //! problem (500, with the attempt's fencing token so that an operator can reconcile) that every
 //! retry receives; [`UnknownOutcome::Release`] releases the key so that a retry runs the handler
 //! again. The default is `Record` by the same principle: running twice is the failure this
-//! layer exists to prevent, and an operator can always clear a key, but cannot undo a double
-//! charge.
+//! layer exists to prevent; an attempt recorded as unknown can be reconciled (its fencing token
+//! names it), a double charge cannot be undone.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};

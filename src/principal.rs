@@ -15,6 +15,7 @@
 //! |---|---|
 //! | [`extension`] | the auth layer puts a typed user, session or tenant into the request extensions |
 //! | [`claim`] | the auth layer puts the decoded JWT claims (a `serde_json::Value`) into the extensions |
+//! | [`host`] | tenants told apart by host name, sharing routes and a store |
 //! | a closure `Fn(&Parts) -> Option<String>` | anything else |
 //!
 //! A request for which the source finds no principal is refused (500 `principal-missing`): it
@@ -173,6 +174,39 @@ impl PrincipalSource for Claim {
 
     fn describe(&self) -> String {
         format!("the claim {}", self.pointer)
+    }
+}
+
+/// The principal from the host the request was sent to: see [`host`].
+#[derive(Debug, Clone, Copy)]
+pub struct Host;
+
+/// The host the request was sent to, lower-cased: HTTP/1.1's `Host` header, or, where there is
+/// none, the URI's authority (HTTP/2 and HTTP/3 send `:authority`, which hyper puts in the URI
+/// and adds no `Host` for). For tenants told apart by host name that share routes and a store.
+///
+/// ```
+/// use tower_idempotency::principal::{self, PrincipalSource};
+/// let h1 = http::Request::builder().header("host", "Shop-A.example").body(()).unwrap();
+/// assert_eq!(principal::host().principal(&h1.into_parts().0).as_deref(), Some("shop-a.example"));
+/// let h2 = http::Request::builder().uri("https://shop-b.example/pay").body(()).unwrap();
+/// assert_eq!(principal::host().principal(&h2.into_parts().0).as_deref(), Some("shop-b.example"));
+/// ```
+pub fn host() -> Host {
+    Host
+}
+
+impl PrincipalSource for Host {
+    fn principal(&self, parts: &Parts) -> Option<String> {
+        let host = match parts.headers.get(http::header::HOST) {
+            Some(host) => host.to_str().ok()?,
+            None => parts.uri.authority()?.as_str(),
+        };
+        (!host.is_empty()).then(|| host.to_ascii_lowercase())
+    }
+
+    fn describe(&self) -> String {
+        "the Host header (or the :authority of HTTP/2)".to_owned()
     }
 }
 

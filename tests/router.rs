@@ -273,6 +273,54 @@ async fn a_batch_forwarding_its_extensions_keeps_each_sub_request_protected() {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
+/// Tenants told apart by host, over HTTP/2 without TLS (h2c): hyper puts `:authority` in the URI
+/// and adds no `Host`, so the documented principal (a closure reading `Host`) answered every
+/// HTTP/2 request 500 `principal-missing`; `principal::host()` falls back to the authority.
+#[tokio::test]
+async fn tenants_by_host_over_http2() {
+    let store = Store::memory();
+    let (runs, pay) = counting();
+    let app = Router::new().route(
+        "/pay",
+        post(pay).route_layer(
+            builder(&store)
+                .principal(tower_idempotency::principal::host())
+                .build()
+                .unwrap(),
+        ),
+    );
+    let (addr, _server) = support::serve(app).await;
+    let h2 = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Body>();
+    let port = addr.port();
+    let pay = |host: &str| {
+        let request = Request::post(format!("http://{host}:{port}/pay"))
+            .header("idempotency-key", "order-1")
+            .body(Body::empty())
+            .unwrap();
+        let h2 = h2.clone();
+        async move {
+            let response = h2.request(request).await.unwrap();
+            assert_eq!(response.version(), http::Version::HTTP_2);
+            let (parts, body) = response.into_parts();
+            let body = body.collect().await.unwrap().to_bytes();
+            Reply {
+                status: parts.status,
+                headers: parts.headers,
+                body,
+            }
+        }
+    };
+    let a = pay("127.0.0.1").await;
+    assert_eq!(a.status, StatusCode::CREATED, "{a:?}");
+    let b = pay("localhost").await;
+    assert_eq!(b.status, StatusCode::CREATED, "{b:?}");
+    assert!(!b.replayed(), "another host is another tenant");
+    assert!(pay("127.0.0.1").await.replayed());
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
 /// A layer wrapping a plain service nested with `nest_service`: axum routes every request to
 /// it without a `MatchedPath`, as to a fallback, so by default the layer passes them all
 /// through (the second delivery ran again); built with `cover_unmatched`, it protects them.
