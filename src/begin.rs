@@ -5,42 +5,23 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use distlock::{Begin, LockError, LockGuard, OnceGuard};
+use distlock::{Begin, LockError, LockGuard};
 use http::request::Parts;
 use http::{Request, Response, header};
 use http_body::Body;
 
 use crate::body::{BoxError, RequestBody, ResponseBody, read_request};
-use crate::complete::{NEGOTIATED, joined};
 use crate::context::Enclosing;
 use crate::fingerprint::identify;
+use crate::headers::{NEGOTIATED, joined};
 use crate::layer::{Config, OnConflict};
 use crate::metrics::{Event, count, store_latency};
 use crate::outcome::DecisionCell;
 use crate::problem::html::ForBrowser;
-use crate::replay::{Stored, join, problem, replay};
+use crate::replay::{Stored, join, replay};
+use crate::run::Run;
 use crate::scope::{Naming, derive};
 use crate::{IdempotencyContext, KeyKind, Rejection};
-
-/// A protected execution: the lease, and what is needed to store its outcome.
-#[derive(Debug)]
-pub(crate) struct Run {
-    pub(crate) guard: OnceGuard,
-    /// For a key that names a thing, the thing's lock: held until this is dropped, after the
-    /// outcome of the record is stored (or released).
-    pub(crate) thing: Option<LockGuard>,
-    pub(crate) fingerprint: [u8; 32],
-    /// The AES-256-GCM key of the record (derived from the raw key, its scope and the secret);
-    /// `None` on the in-memory store, which keeps records in clear (see `record::seal`).
-    pub(crate) record_key: Option<[u8; 32]>,
-    pub(crate) config: Arc<Config>,
-    /// The handler's decision through its context, if it made one.
-    pub(crate) decision: Arc<DecisionCell>,
-    /// The request's values of the headers a response may vary on (see `complete`).
-    pub(crate) negotiated: http::HeaderMap,
-    /// The request's span, entered again while the outcome is stored.
-    pub(crate) span: tracing::Span,
-}
 
 /// What to do with a request.
 pub(crate) enum Decision<B, R> {
@@ -61,7 +42,7 @@ fn reject<B, R>(config: &Config, rejection: Rejection) -> Decision<B, R> {
         Rejection::StoreUnavailable { .. } | Rejection::StoreFull { .. } => Event::StoreError,
         _ => Event::Rejected,
     });
-    Decision::Respond(problem(config, &rejection))
+    Decision::Respond(config.problem(&rejection))
 }
 
 fn unprotected<B, R>(parts: http::request::Parts, body: RequestBody<B>) -> Decision<B, R> {

@@ -9,62 +9,15 @@ use std::task::Poll;
 use std::time::Instant;
 
 use distlock::{LockError, LockGuard};
-use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use http::{HeaderMap, HeaderName, StatusCode};
 use tracing::Instrument;
 
-use crate::begin::Run;
-use crate::execution::Live;
+use crate::headers;
+use crate::live::Live;
 use crate::metrics::{Event, count, store_latency};
 use crate::outcome::UnknownOutcome;
-use crate::record::{self, EncodeHead, Kind, Part, Sealer};
-use crate::replay;
-
-impl Run {
-    /// The cipher of this execution's record.
-    pub(crate) fn sealer(&self) -> Sealer<'_> {
-        Sealer::of(self.record_key.as_ref(), self.guard.guard().name())
-    }
-
-    /// The head of this execution's record for a response (`vary`: see [`negotiated`]). A
-    /// `streamed` head keeps the announced length too, whatever the policy: a duplicate joining
-    /// the body as it is written announces it (a replay of a complete record sets it from what
-    /// it replays, so a whole record does not store it).
-    pub(crate) fn head<'a>(
-        &'a self,
-        kind: Kind,
-        status: StatusCode,
-        (headers, streamed): (&'a HeaderMap, bool),
-        vary: &'a HeaderMap,
-    ) -> EncodeHead<'a, impl Fn(&HeaderName) -> bool + 'a> {
-        EncodeHead {
-            kind,
-            fingerprint: &self.fingerprint,
-            status,
-            fence: self.guard.fence(),
-            headers,
-            keep: move |name: &HeaderName| {
-                (streamed && name == header::CONTENT_LENGTH)
-                    || self.config.replay_headers.keeps(name)
-            },
-            vary,
-        }
-    }
-
-    /// A record in one part saying that this execution's outcome is unknown.
-    fn unknown_whole(&self) -> Vec<u8> {
-        let none = HeaderMap::new();
-        self.sealer().seal_whole(
-            &self.head(
-                Kind::Unknown,
-                StatusCode::INTERNAL_SERVER_ERROR,
-                (&none, false),
-                &none,
-            ),
-            &[],
-            None,
-        )
-    }
-}
+use crate::record::{self, Kind, Part};
+use crate::run::Run;
 
 /// Stores a final response whole (nothing was appended): its status, kept headers, body
 /// (`None`: not kept, only the status, headers and `grpc-status` trailer are) and trailers.
@@ -93,7 +46,7 @@ pub(crate) fn whole(
     body: Option<&[u8]>,
     trailers: Option<&HeaderMap>,
 ) -> Vec<u8> {
-    let vary = negotiated(headers, &run.negotiated);
+    let vary = headers::negotiated(headers, &run.negotiated);
     let mut head = run.head(Kind::Response, status, (headers, false), &vary);
     let kept = stored_trailers(run, trailers);
     let trailers = kept.as_deref();
@@ -117,9 +70,12 @@ pub(crate) fn whole(
         .seal_whole(&head, body.unwrap_or_default(), trailers)
 }
 
-/// The trailers stored with a response ([`replay::kept_trailers`]).
+/// The trailers stored with a response ([`headers::kept_trailers`]).
 fn stored_trailers<'a>(run: &Run, trailers: Option<&'a HeaderMap>) -> Option<Cow<'a, HeaderMap>> {
-    Some(replay::kept_trailers(&run.config, Cow::Borrowed(trailers?)))
+    Some(headers::kept_trailers(
+        &run.config,
+        Cow::Borrowed(trailers?),
+    ))
 }
 
 /// The trailers kept with an outcome stored without its body: `grpc-status` alone (a gRPC
@@ -169,50 +125,6 @@ pub(crate) async fn end(
     // Refused (a part lost behind the record's back): the outcome is still known.
     let instead = Instead::Head(status, headers, trailers);
     store(run, &record, Event::Executed, instead).await;
-}
-
-/// The request headers a response varies on (its `Vary`), with the values the request had
-/// (empty when it had none), among those the layer keeps for the check.
-pub(crate) fn negotiated(response: &HeaderMap, request: &HeaderMap) -> HeaderMap {
-    let mut out = HeaderMap::new();
-    for vary in response.get_all(header::VARY) {
-        let Ok(vary) = vary.to_str() else { continue };
-        for name in vary.split(',').map(str::trim) {
-            let Ok(name) = HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes()) else {
-                continue; // `*` and malformed names: nothing to check
-            };
-            if NEGOTIATED.contains(&name) {
-                let value = joined(request, &name).unwrap_or(HeaderValue::from_static(""));
-                out.insert(name, value);
-            }
-        }
-    }
-    out
-}
-
-/// The request headers kept for a `Vary` check at replay: those content negotiation and CORS
-/// vary on.
-pub(crate) const NEGOTIATED: [HeaderName; 4] = [
-    header::ACCEPT,
-    header::ACCEPT_ENCODING,
-    header::ACCEPT_LANGUAGE,
-    header::ORIGIN,
-];
-
-/// All values of a header, joined with ", " (one value: no copy).
-pub(crate) fn joined(headers: &HeaderMap, name: &HeaderName) -> Option<HeaderValue> {
-    let mut values = headers.get_all(name).iter();
-    let first = values.next()?;
-    let rest: Vec<&HeaderValue> = values.collect();
-    if rest.is_empty() {
-        return Some(first.clone());
-    }
-    let mut all = first.as_bytes().to_vec();
-    for v in rest {
-        all.extend_from_slice(b", ");
-        all.extend_from_slice(v.as_bytes());
-    }
-    HeaderValue::from_bytes(&all).ok()
 }
 
 /// The handler started and its outcome cannot be known (`why`): record it or release the key,
@@ -318,7 +230,7 @@ fn without_body(run: &Run, refused: &[u8], instead: Instead<'_>) -> Option<Vec<u
         Instead::Head(status, headers, trailers) => Some(seal(
             status,
             headers,
-            &negotiated(headers, &run.negotiated),
+            &headers::negotiated(headers, &run.negotiated),
             trailers,
         )),
         // Read back only once the store has refused it: nothing is kept for this meanwhile.

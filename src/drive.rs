@@ -1,4 +1,7 @@
-//! Driving an execution from the task that waits for what it produces, without waking that task.
+//! An execution driven by whoever holds it ([`Execution`]: the response future, then the
+//! response body; dropped before its end it goes on in a task of its own, or is cancelled), and
+//! driving it from the task that waits for what it produces, without waking that task
+//! ([`Driving`]).
 //!
 //! The response future drives the execution until the response head comes through a oneshot;
 //! a fed response body drives it (a replay's reading, a `cancel_on_disconnect` execution)
@@ -19,13 +22,83 @@
 //! execution yielding to the runtime's budget while driven) reaches the task as it would
 //! without this.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::task::{Context, Poll, Wake, Waker};
 
 use futures_util::task::AtomicWaker;
 
-use crate::execution::Execution;
+/// A future driven by whoever holds it.
+pub(crate) type Driver = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// A future driven by whoever holds it (the response future, then the response body). Dropped
+/// before its end it is either spawned, to run on in a task of its own (detached), or cancelled.
+pub(crate) struct Execution {
+    driver: Option<Driver>,
+    /// Where it goes on when dropped before its end; `None`: dropping it cancels it.
+    detach: Option<tokio::runtime::Handle>,
+}
+
+impl Execution {
+    /// A future that dropping cancels (a replay's reading, a `cancel_on_disconnect` execution).
+    pub(crate) fn cancellable(driver: Driver) -> Self {
+        Execution {
+            driver: Some(driver),
+            detach: None,
+        }
+    }
+
+    /// A future that, dropped before its end, goes on in a task of its own on `runtime`
+    /// (`None`: dropping it cancels it).
+    pub(crate) fn detached(driver: Driver, runtime: Option<tokio::runtime::Handle>) -> Self {
+        Execution {
+            driver: Some(driver),
+            detach: runtime,
+        }
+    }
+
+    /// Polls it; returns whether it has ended.
+    pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> bool {
+        if let Some(driver) = &mut self.driver
+            && driver.as_mut().poll(cx).is_ready()
+        {
+            self.driver = None;
+        }
+        self.driver.is_none()
+    }
+
+    /// Whether dropping it before its end lets it go on.
+    pub(crate) fn is_detached(&self) -> bool {
+        self.detach.is_some()
+    }
+
+    /// From now on it is never cancelled: dropped before its end, it goes on in a task of its
+    /// own (on the current runtime, if there is one).
+    pub(crate) fn detach(&mut self) {
+        if self.detach.is_none() && self.driver.is_some() {
+            self.detach = tokio::runtime::Handle::try_current().ok();
+        }
+    }
+}
+
+impl Drop for Execution {
+    fn drop(&mut self) {
+        if let (Some(driver), Some(runtime)) = (self.driver.take(), self.detach.take()) {
+            runtime.spawn(driver);
+        }
+    }
+}
+
+impl std::fmt::Debug for Execution {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Execution")
+            .field("ended", &self.driver.is_none())
+            .field("detached", &self.detach.is_some())
+            .finish()
+    }
+}
 
 const IDLE: u8 = 0;
 const DRIVING: u8 = 1;

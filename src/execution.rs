@@ -22,148 +22,22 @@
 //! cancels the execution: the handler is dropped and the key released (for handlers known to be
 //! cancel-safe). Once a whole response is ready, its storing is never cancelled.
 
-use std::any::Any;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::pin::{Pin, pin};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::task::Context;
 
 use futures_util::FutureExt;
 use http::Response;
 use http_body::Body;
-use tokio::sync::{Notify, oneshot};
+use tokio::sync::oneshot;
 use tracing::Instrument;
 
-use crate::begin::Run;
 use crate::body::{BoxError, ResponseBody};
 use crate::complete;
-use crate::layer::Config;
+use crate::drive::{Driver, Execution};
+use crate::live::Live;
 use crate::metrics::Event;
+use crate::run::{Finished, Run};
 use crate::{KeepBody, Outcome};
-
-/// How a protected execution ended, as the response future learns it.
-// Moved once, through a oneshot channel that has room for it: boxing the response would only
-// add an allocation per request.
-#[allow(clippy::large_enum_variant)]
-pub(crate) enum Finished<B, E> {
-    /// The response head, with a body that is whole or fed by the execution.
-    Response(Response<ResponseBody<B>>),
-    /// The service returned an error (its outcome is handled as unknown).
-    Error(E),
-    /// The handler panicked: the panic resumes in the response future, as without the layer.
-    Panic(Box<dyn Any + Send>),
-}
-
-/// A future driven by whoever holds it.
-pub(crate) type Driver = Pin<Box<dyn Future<Output = ()> + Send>>;
-
-/// A future driven by whoever holds it (the response future, then the response body). Dropped
-/// before its end it is either spawned, to run on in a task of its own (detached), or cancelled.
-pub(crate) struct Execution {
-    driver: Option<Driver>,
-    /// Where it goes on when dropped before its end; `None`: dropping it cancels it.
-    detach: Option<tokio::runtime::Handle>,
-}
-
-impl Execution {
-    /// A future that dropping cancels (a replay's reading, a `cancel_on_disconnect` execution).
-    pub(crate) fn cancellable(driver: Driver) -> Self {
-        Execution {
-            driver: Some(driver),
-            detach: None,
-        }
-    }
-
-    /// Polls it; returns whether it has ended.
-    pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> bool {
-        if let Some(driver) = &mut self.driver
-            && driver.as_mut().poll(cx).is_ready()
-        {
-            self.driver = None;
-        }
-        self.driver.is_none()
-    }
-
-    /// Whether dropping it before its end lets it go on.
-    pub(crate) fn is_detached(&self) -> bool {
-        self.detach.is_some()
-    }
-
-    /// From now on it is never cancelled: dropped before its end, it goes on in a task of its
-    /// own (on the current runtime, if there is one).
-    pub(crate) fn detach(&mut self) {
-        if self.detach.is_none() && self.driver.is_some() {
-            self.detach = tokio::runtime::Handle::try_current().ok();
-        }
-    }
-}
-
-impl Drop for Execution {
-    fn drop(&mut self) {
-        if let (Some(driver), Some(runtime)) = (self.driver.take(), self.detach.take()) {
-            runtime.spawn(driver);
-        }
-    }
-}
-
-impl std::fmt::Debug for Execution {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Execution")
-            .field("ended", &self.driver.is_none())
-            .field("detached", &self.detach.is_some())
-            .finish()
-    }
-}
-
-/// The protected executions of a layer that have not ended, whoever drives them (a response
-/// future, a body, a task of their own): what [`Store::drain`](crate::Store::drain) waits for.
-#[derive(Debug, Default)]
-pub(crate) struct Executions {
-    live: AtomicUsize,
-    ended: Notify,
-}
-
-impl Executions {
-    /// Waits until none is live.
-    pub(crate) async fn none_live(&self) {
-        loop {
-            let ended = self.ended.notified();
-            let mut ended = pin!(ended);
-            // Registered before the count is read: an end in between wakes it.
-            ended.as_mut().enable();
-            if self.live.load(Ordering::Acquire) == 0 {
-                return;
-            }
-            ended.await;
-        }
-    }
-}
-
-/// An execution counted as live until this is dropped (with the execution's future: it ended,
-/// or it was cancelled; or with a task it handed its outcome to).
-pub(crate) struct Live(Arc<Config>);
-
-impl Live {
-    pub(crate) fn new(config: &Arc<Config>) -> Self {
-        config
-            .store
-            .executions()
-            .live
-            .fetch_add(1, Ordering::AcqRel);
-        Live(config.clone())
-    }
-}
-
-impl Drop for Live {
-    fn drop(&mut self) {
-        let executions = self.0.store.executions();
-        if executions.live.fetch_sub(1, Ordering::AcqRel) == 1 {
-            executions.ended.notify_waiters();
-        }
-    }
-}
 
 /// A started execution: its result, and the execution to drive.
 pub(crate) struct Started<B, E> {
@@ -199,10 +73,7 @@ where
     };
     Some(Started {
         result,
-        execution: Execution {
-            driver: Some(driver),
-            detach,
-        },
+        execution: Execution::detached(driver, detach),
     })
 }
 

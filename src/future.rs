@@ -30,12 +30,13 @@ use tokio::sync::oneshot;
 use tower_service::Service;
 
 use crate::Rejection;
-use crate::begin::{Decision, Run};
+use crate::begin::Decision;
 use crate::body::{BoxError, RequestBody, ResponseBody};
 use crate::drive::Driving;
-use crate::execution::{self, Execution, Finished, Started};
+use crate::drive::Execution;
+use crate::execution::{self, Started};
 use crate::layer::Config;
-use crate::replay::problem;
+use crate::run::{Finished, Run};
 
 pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
@@ -205,7 +206,7 @@ where
                             let rejection = Rejection::StoreUnavailable {
                                 retry_after: config.retry_after,
                             };
-                            return Poll::Ready(Ok(problem(&config, &rejection)));
+                            return Poll::Ready(Ok(config.problem(&rejection)));
                         }
                     }
                 }
@@ -271,7 +272,7 @@ where
                         Ok(Finished::Error(error)) => Err(error),
                         Ok(Finished::Panic(panic)) => std::panic::resume_unwind(panic),
                         // The execution ended without an answer (its runtime shut down).
-                        Err(_) => Ok(problem(&config, &Rejection::OutcomeUnknown { fence })),
+                        Err(_) => Ok(config.problem(&Rejection::OutcomeUnknown { fence })),
                     });
                 }
                 StateProj::Done => panic!("ResponseFuture polled after it completed"),

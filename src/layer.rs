@@ -14,7 +14,9 @@ use crate::principal::PrincipalSource;
 use crate::problem::PROBLEM_BASE;
 use crate::problem::html::{Page, RenderHtml, default_page};
 use crate::secret::{Keys, MIN_SECRET_LEN};
-use crate::{ConfigError, Idempotency, Identity, Outcome, Rejection, Store, UnknownOutcome};
+use crate::{
+    ConfigError, Idempotency, Identity, Outcome, Rejection, ResponseBody, Store, UnknownOutcome,
+};
 
 /// What to do with a request whose key is in flight (another request with the same key and
 /// fingerprint is being processed).
@@ -221,6 +223,13 @@ impl Config {
             Rendering::Custom(render) => rejection.finish(render(rejection)),
             Rendering::Grpc => rejection.to_grpc_response(),
         }
+    }
+
+    /// A rejection as a response with the layer's body type, rendered as the layer is
+    /// configured.
+    pub(crate) fn problem<B>(&self, rejection: &Rejection) -> Response<ResponseBody<B>> {
+        self.render(rejection)
+            .map(|body| ResponseBody::full(body, None))
     }
 
     /// The `Retry-After` of a 409: when the holder's lease ends (a crashed holder's key frees

@@ -18,8 +18,8 @@ use http_body::Frame;
 
 use crate::Rejection;
 use crate::body::{BoxError, Feed, Message, ResponseBody};
-use crate::complete::joined;
-use crate::execution::Execution;
+use crate::drive::Execution;
+use crate::headers::{GRPC_STATUS, joined, kept_headers, kept_trailers};
 use crate::layer::Config;
 use crate::metrics::Event;
 use crate::problem::html::EarlierAnswer;
@@ -30,13 +30,6 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 
 /// Parts read per round trip while replaying or following a streamed record.
 const BATCH: usize = 4;
-
-/// A rejection as a response with the layer's body type, rendered as the layer is configured.
-pub(crate) fn problem<B>(config: &Config, rejection: &Rejection) -> Response<ResponseBody<B>> {
-    config
-        .render(rejection)
-        .map(|body| ResponseBody::full(body, None))
-}
 
 /// What a request knows about the record it replays.
 pub(crate) struct Stored<'a> {
@@ -51,7 +44,7 @@ pub(crate) struct Stored<'a> {
 fn unreadable<B>(config: &Config, reason: String) -> (Response<ResponseBody<B>>, Event) {
     tracing::error!(%reason, "stored idempotency record is unreadable; not running the handler again");
     (
-        problem(config, &Rejection::RecordUnreadable { reason }),
+        config.problem(&Rejection::RecordUnreadable { reason }),
         Event::StoreError,
     )
 }
@@ -97,7 +90,7 @@ pub(crate) async fn replay<B>(
             let rejection = Rejection::StoreUnavailable {
                 retry_after: config.retry_after,
             };
-            return (problem(config, &rejection), Event::StoreError);
+            return (config.problem(&rejection), Event::StoreError);
         }
         Err(LockError::BrokenRecord { detail, .. }) => return unreadable(config, detail),
         Err(error) => {
@@ -105,7 +98,7 @@ pub(crate) async fn replay<B>(
             let rejection = Rejection::StoreUnavailable {
                 retry_after: config.retry_after,
             };
-            return (problem(config, &rejection), Event::StoreError);
+            return (config.problem(&rejection), Event::StoreError);
         }
     };
     let Some(last) = last else {
@@ -129,7 +122,7 @@ pub(crate) async fn replay<B>(
         }
         Ok(Part::Unknown) => {
             let rejection = Rejection::OutcomeUnknown { fence: head.fence };
-            return (replayed(problem(config, &rejection)), Event::Replayed);
+            return (replayed(config.problem(&rejection)), Event::Replayed);
         }
         Ok(_) => return unreadable(config, "a streamed record ends with the wrong part".into()),
         Err(reason) => return unreadable(config, reason),
@@ -161,7 +154,7 @@ pub(crate) async fn join<B>(
             let rejection = Rejection::StoreUnavailable {
                 retry_after: config.retry_after,
             };
-            return (problem(config, &rejection), Event::StoreError);
+            return (config.problem(&rejection), Event::StoreError);
         }
     };
     let Some(first) = first else {
@@ -169,7 +162,7 @@ pub(crate) async fn join<B>(
         let rejection = Rejection::Conflict {
             retry_after: config.conflict_retry_after(None),
         };
-        return (problem(config, &rejection), Event::Conflict);
+        return (config.problem(&rejection), Event::Conflict);
     };
     let head = match sealer.open_part(0, 0, &first) {
         Ok(Part::Head(head)) if head.fence == writer => head,
@@ -215,7 +208,7 @@ fn check<B>(
     stored: &Stored<'_>,
 ) -> Result<(), (Response<ResponseBody<B>>, Event)> {
     if &head.fingerprint != stored.fingerprint {
-        let mut refused = problem(config, &Rejection::KeyReused);
+        let mut refused = config.problem(&Rejection::KeyReused);
         // Where the first answer points (a created account), for a person's page.
         if let Some(location) = (head.headers.get(http::header::LOCATION))
             .filter(|_| config.replay_headers.keeps(&http::header::LOCATION))
@@ -233,7 +226,7 @@ fn check<B>(
             let rejection = Rejection::NotAcceptable {
                 header: name.as_str().to_owned(),
             };
-            return Err((problem(config, &rejection), Event::Rejected));
+            return Err((config.problem(&rejection), Event::Rejected));
         }
     }
     Ok(())
@@ -325,52 +318,11 @@ fn replay_whole<B>(
             replayed(response)
         }
         Kind::BodyNotKept => not_kept(config, record.head, &record.trailers),
-        Kind::Unknown => replayed(problem(
-            config,
-            &Rejection::OutcomeUnknown {
-                fence: record.head.fence,
-            },
-        )),
+        Kind::Unknown => replayed(config.problem(&Rejection::OutcomeUnknown {
+            fence: record.head.fence,
+        })),
     };
     (response, Event::Replayed)
-}
-
-/// The header policy in force now applies to what was stored under an earlier one.
-fn kept_headers(config: &Config, headers: HeaderMap) -> HeaderMap {
-    filtered(Cow::Owned(headers), |name| {
-        config.replay_headers.keeps(name)
-    })
-    .into_owned()
-}
-
-/// Whether a trailer is stored and replayed: those the header policy keeps, and a gRPC call's
-/// status fields whatever it says (they are the call's outcome).
-fn keeps_trailer(config: &Config, name: &HeaderName) -> bool {
-    config.replay_headers.keeps(name) || GRPC_STATUS.contains(name)
-}
-
-/// The trailers of a response that are stored and replayed (see [`keeps_trailer`]): no copy
-/// when all are.
-pub(crate) fn kept_trailers<'a>(
-    config: &Config,
-    trailers: Cow<'a, HeaderMap>,
-) -> Cow<'a, HeaderMap> {
-    filtered(trailers, |name| keeps_trailer(config, name))
-}
-
-/// `headers` without those `keep` refuses (no copy when it keeps them all).
-fn filtered<'a>(
-    headers: Cow<'a, HeaderMap>,
-    keep: impl Fn(&HeaderName) -> bool,
-) -> Cow<'a, HeaderMap> {
-    if headers.keys().all(&keep) {
-        return headers;
-    }
-    let mut kept = HeaderMap::with_capacity(headers.len());
-    for (name, value) in headers.iter().filter(|(name, _)| keep(name)) {
-        kept.append(name.clone(), value.clone());
-    }
-    Cow::Owned(kept)
 }
 
 fn replayed<B>(mut response: Response<ResponseBody<B>>) -> Response<ResponseBody<B>> {
@@ -389,14 +341,11 @@ fn not_kept<B>(config: &Config, head: Head, trailers: &HeaderMap) -> Response<Re
         .into_iter()
         .find_map(|headers| headers.get("grpc-status"))
         .and_then(|code| code.to_str().ok()?.parse().ok());
-    let mut response = problem(
-        config,
-        &Rejection::ResponseNotStored {
-            status: head.status,
-            limit: config.record_limit,
-            grpc_status,
-        },
-    );
+    let mut response = config.problem(&Rejection::ResponseNotStored {
+        status: head.status,
+        limit: config.record_limit,
+        grpc_status,
+    });
     for (name, value) in &kept_headers(config, head.headers) {
         // Nor the status a trailers-only gRPC response carried in its head: the rejection's own
         // `grpc-status` must be the only one (a client that reads the last of two would take
@@ -407,13 +356,6 @@ fn not_kept<B>(config: &Config, head: Head, trailers: &HeaderMap) -> Response<Re
     }
     replayed(response)
 }
-
-/// A gRPC call's status fields, which a rejection of its own replaces.
-pub(crate) const GRPC_STATUS: [HeaderName; 3] = [
-    HeaderName::from_static("grpc-status"),
-    HeaderName::from_static("grpc-message"),
-    HeaderName::from_static("grpc-status-details-bin"),
-];
 
 /// Headers that describe a response's body (its representation), not the resource: they
 /// would misdescribe a problem that replaces the body (a client decoding `content-encoding:

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use distlock::{ConfigError, LockClient, MemoryLimits};
 
-use crate::execution::Executions;
+use crate::live::Executions;
 
 /// The key prefix of the layer's store entries.
 pub const DEFAULT_PREFIX: &str = "idem";

@@ -27,12 +27,11 @@ use http::{HeaderMap, Response, StatusCode};
 use http_body::{Body, Frame};
 use tokio::sync::oneshot;
 
-use crate::begin::Run;
 use crate::body::{Announced, BoxError, Feed, Message, ResponseBody};
 use crate::complete;
-use crate::execution::Finished;
 use crate::metrics::Event;
 use crate::record::{self, Kind, Sealer};
+use crate::run::{Finished, Run};
 
 /// The most read from a body before its head goes out: a body complete within it is stored and
 /// sent whole; a longer one is streamed.
@@ -140,7 +139,7 @@ pub(crate) async fn tee<B, E>(
     // Whether the record can hold the head: known after the head went out (nothing waited on
     // the client in between). More header values than a record holds: the outcome is stored
     // without the body, which is then never given up either.
-    let vary = complete::negotiated(&headers, &run.negotiated);
+    let vary = crate::headers::negotiated(&headers, &run.negotiated);
     if keep
         && !run
             .head(Kind::Response, status, (&headers, true), &vary)

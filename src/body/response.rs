@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 
 use super::BoxError;
 use crate::drive::Driving;
-use crate::execution::Execution;
+use crate::drive::Execution;
 
 /// What the protected execution sends to the client's body, frame by frame.
 #[derive(Debug)]
