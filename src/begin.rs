@@ -21,7 +21,8 @@ use crate::problem::html::ForBrowser;
 use crate::replay::{Stored, join, replay};
 use crate::run::Run;
 use crate::scope::{Naming, derive};
-use crate::{IdempotencyContext, KeyKind, Rejection};
+use crate::{IDEMPOTENT_REPLAYED, IdempotencyContext, KeyKind, Rejection};
+use tracing::Span;
 
 /// What to do with a request.
 pub(crate) enum Decision<B, R> {
@@ -34,8 +35,9 @@ pub(crate) enum Decision<B, R> {
     },
 }
 
-fn reject<B, R>(config: &Config, rejection: Rejection) -> Decision<B, R> {
+fn reject<B, R>(config: &Config, span: &Span, rejection: Rejection) -> Decision<B, R> {
     tracing::debug!(%rejection, "idempotency: rejected");
+    refused(span, &rejection);
     count(match rejection {
         Rejection::Conflict { .. } => Event::Conflict,
         Rejection::KeyReused => Event::Mismatch,
@@ -45,7 +47,35 @@ fn reject<B, R>(config: &Config, rejection: Rejection) -> Decision<B, R> {
     Decision::Respond(config.problem(&rejection))
 }
 
-fn unprotected<B, R>(parts: http::request::Parts, body: RequestBody<B>) -> Decision<B, R> {
+/// Records a refusal on the request's span.
+fn refused(span: &Span, rejection: &Rejection) {
+    let decision = match rejection {
+        Rejection::Conflict { .. } => "conflict",
+        _ => "rejected",
+    };
+    span.record("decision", decision);
+    span.record("reason", rejection.slug());
+}
+
+/// Records what answered a request from the store: `served` (a replay, a join), or the
+/// refusal the response carries (a key reused, a record that cannot be read).
+fn answered<R>(span: &Span, response: &Response<R>, served: &'static str) {
+    match response.extensions().get::<Rejection>() {
+        Some(rejection) if !response.headers().contains_key(IDEMPOTENT_REPLAYED) => {
+            refused(span, rejection)
+        }
+        _ => {
+            span.record("decision", served);
+        }
+    }
+}
+
+fn unprotected<B, R>(
+    span: &Span,
+    parts: http::request::Parts,
+    body: RequestBody<B>,
+) -> Decision<B, R> {
+    span.record("decision", "passed-through");
     count(Event::Passthrough);
     Decision::Run {
         request: Request::from_parts(parts, body),
@@ -102,13 +132,14 @@ where
             Ok(None) if config.key_required => {
                 return reject(
                     &config,
+                    &span,
                     Rejection::MissingKey {
                         source: config.key.describe(),
                     },
                 );
             }
-            Ok(None) => return unprotected(parts, RequestBody::new(body)),
-            Err(rejection) => return reject(&config, rejection),
+            Ok(None) => return unprotected(&span, parts, RequestBody::new(body)),
+            Err(rejection) => return reject(&config, &span, rejection),
         }
     };
     // Before the body is read, under a Tokio timer (a keyless request passed through above
@@ -117,6 +148,7 @@ where
         tracing::error!("tower-idempotency needs a Tokio runtime: the request is refused");
         return reject(
             &config,
+            &span,
             Rejection::StoreUnavailable {
                 retry_after: config.retry_after,
             },
@@ -130,6 +162,7 @@ where
     if declared.is_some_and(|len| len > config.body_limit as u64) {
         return reject(
             &config,
+            &span,
             Rejection::BodyTooLarge {
                 limit: config.body_limit,
             },
@@ -137,7 +170,7 @@ where
     }
     let read = match read_request(body, config.body_limit, config.read_timeout).await {
         Ok(read) => read,
-        Err(rejection) => return reject(&config, rejection),
+        Err(rejection) => return reject(&config, &span, rejection),
     };
     let key = match early_key {
         Some(key) => key,
@@ -146,21 +179,22 @@ where
             Ok(None) if config.key_required => {
                 return reject(
                     &config,
+                    &span,
                     Rejection::MissingKey {
                         source: config.key.describe(),
                     },
                 );
             }
-            Ok(None) => return unprotected(parts, RequestBody::buffered(read)),
+            Ok(None) => return unprotected(&span, parts, RequestBody::buffered(read)),
             // An empty body holds no key, whatever its type (and an empty JSON body does not
             // parse): with keys optional, that is a request without one. (A body of another
             // type may hold one: still 415.)
             Err(Rejection::UnsupportedMediaType { .. } | Rejection::MalformedBody { .. })
                 if !config.key_required && read.data.is_empty() =>
             {
-                return unprotected(parts, RequestBody::buffered(read));
+                return unprotected(&span, parts, RequestBody::buffered(read));
             }
-            Err(rejection) => return reject(&config, rejection),
+            Err(rejection) => return reject(&config, &span, rejection),
         },
     };
     let principal = match &config.principal {
@@ -174,6 +208,7 @@ where
                 );
                 return reject(
                     &config,
+                    &span,
                     Rejection::PrincipalMissing {
                         source: source.describe(),
                     },
@@ -190,7 +225,7 @@ where
         read.trailers.as_ref(),
     ) {
         Ok(fingerprint) => fingerprint,
-        Err(rejection) => return reject(&config, rejection),
+        Err(rejection) => return reject(&config, &span, rejection),
     };
     // A per-request key is its record; a thing's key has a record per request identity (and a
     // lock of its own, taken below).
@@ -207,11 +242,14 @@ where
         config.seal,
     );
     let name = derived.name;
+    // A short prefix of the keyed hash: enough to tell requests apart in traces, never the key.
+    span.record("key", &name[..12]);
     // A layer further out runs this request under this very name (the same layer on the router
     // and on a nested router): it is protected there. Another name is another key: protected
     // here too.
     if Enclosing::holds(&parts.extensions, &name) {
-        return unprotected(parts, RequestBody::buffered(read));
+        span.record("reason", "enclosing-layer");
+        return unprotected(&span, parts, RequestBody::buffered(read));
     }
     let once = match config.store.client().once(&name) {
         Ok(once) => once,
@@ -248,7 +286,12 @@ where
             Box::pin(once.begin_wait_done(tag(), wait)).await
         };
     }
-    store_latency("begin", started.elapsed());
+    let took = started.elapsed();
+    store_latency("begin", took);
+    span.record(
+        "store_us",
+        i64::try_from(took.as_micros()).unwrap_or(i64::MAX),
+    );
     match began {
         Ok(Begin::Acquired(guard)) => {
             let thing = match config.kind {
@@ -260,7 +303,7 @@ where
                             if let Err(error) = guard.abort().await {
                                 tracing::debug!(%error, "idempotency: release failed; the lease will expire");
                             }
-                            return reject(&config, rejection);
+                            return reject(&config, &span, rejection);
                         }
                     }
                 }
@@ -273,6 +316,7 @@ where
                 None => guard.guard().lease(),
             };
             tracing::debug!(key = %name, fence = lease.fence(), "idempotency: running the handler");
+            span.record("decision", "executed");
             let decision = DecisionCell::new();
             let mut negotiated = http::HeaderMap::new();
             for name in NEGOTIATED {
@@ -307,6 +351,7 @@ where
                 request: &parts,
             };
             let (response, outcome) = Box::pin(replay(&config, stored, record)).await;
+            answered(&span, &response, "replayed");
             tracing::debug!(key = %name, outcome = outcome.as_str(), "idempotency: stored outcome");
             count(outcome);
             Decision::Respond(response)
@@ -329,6 +374,7 @@ where
                 request: &parts,
             };
             let (response, outcome) = Box::pin(join(&config, stored, fence)).await;
+            answered(&span, &response, "joined");
             tracing::debug!(key = %name, outcome = outcome.as_str(), "idempotency: joined a response being stored");
             count(outcome);
             Decision::Respond(response)
@@ -341,18 +387,20 @@ where
             if theirs[..] == fingerprint[..] {
                 reject(
                     &config,
+                    &span,
                     Rejection::Conflict {
                         retry_after: config.conflict_retry_after(retry_after),
                     },
                 )
             } else {
-                reject(&config, Rejection::KeyReused)
+                reject(&config, &span, Rejection::KeyReused)
             }
         }
         Ok(other) => {
             tracing::error!(?other, "idempotency: unknown store answer");
             reject(
                 &config,
+                &span,
                 Rejection::StoreUnavailable {
                     retry_after: config.retry_after,
                 },
@@ -362,12 +410,17 @@ where
         // even fail-open, which is for a store that does not answer).
         Err(LockError::BrokenRecord { detail, .. }) => {
             tracing::error!(key = %name, %detail, "stored idempotency record is unreadable; not running the handler again");
-            reject(&config, Rejection::RecordUnreadable { reason: detail })
+            reject(
+                &config,
+                &span,
+                Rejection::RecordUnreadable { reason: detail },
+            )
         }
         Err(error @ LockError::Capacity { .. }) => {
             tracing::warn!(key = %name, %error, "idempotency store full: 503, handler not run");
             reject(
                 &config,
+                &span,
                 Rejection::StoreFull {
                     retry_after: config.retry_after,
                 },
@@ -379,6 +432,8 @@ where
             | LockError::NotReplicated { .. }),
         ) if config.fail_open && !seen_in_flight => {
             tracing::warn!(key = %name, %error, "idempotency store unavailable: running the handler UNPROTECTED (fail-open)");
+            span.record("decision", "passed-through");
+            span.record("reason", "fail-open");
             count(Event::FailOpen);
             parts
                 .extensions
@@ -392,6 +447,7 @@ where
             tracing::warn!(key = %name, %error, "idempotency store unavailable: 503, handler not run");
             reject(
                 &config,
+                &span,
                 Rejection::StoreUnavailable {
                     retry_after: config.retry_after,
                 },

@@ -133,6 +133,7 @@ pub(crate) async fn end(
 /// own (dropped on its way to the store, the record would be lost and the key released, and
 /// a retry would run the handler again).
 pub(crate) async fn unknown(run: Box<Run>, why: &'static str) {
+    run.span.record("outcome", "unknown");
     if run.config.cancel_on_disconnect
         && let Ok(runtime) = tokio::runtime::Handle::try_current()
     {

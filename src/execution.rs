@@ -121,6 +121,11 @@ async fn execute<F, B, E>(
         },
     };
     match outcome {
+        Outcome::Retryable => run.span.record("outcome", "retryable"),
+        Outcome::Unknown => &run.span,
+        _ => run.span.record("outcome", "final"),
+    };
+    match outcome {
         // Released before the client sees the answer: its retry runs the handler again.
         Outcome::Retryable => complete::release(run, Event::NotStored).await,
         // Recorded (or released, as the policy says) before the client sees the answer.

@@ -182,6 +182,30 @@
 //! counted (`lease_lost`), and the fencing token lets the handler's own writes reject the stale
 //! one. A single Redis that fails over can lose in-flight leases (see [`distlock`]).
 //!
+//! # Traces and metrics
+//!
+//! Every covered request gets an `info` span named `idempotency` (a child of the span the
+//! request is in, such as tower-http's `TraceLayer`'s), and a handler whose client left runs on
+//! inside it. Its fields:
+//!
+//! | field | value |
+//! |---|---|
+//! | `method`, `route` | the method and the route template (never the path: it can hold the key) |
+//! | `decision` | `executed`, `replayed`, `joined` (a live stream), `conflict`, `rejected`, `passed-through` |
+//! | `reason` | for `rejected`: the problem's slug (`missing-key`, `key-reused`, `store-unavailable`, ...); for `passed-through`: `fail-open` or `enclosing-layer` when it is one of those |
+//! | `outcome` | for `executed`: `final`, `retryable` or `unknown` |
+//! | `key` | the first 12 hex digits of the key's keyed hash (the store name): enough to follow one key, never the key |
+//! | `store_us` | the store's first round trip (begin), in microseconds |
+//!
+//! With the `metrics` feature, through the [`metrics`](https://docs.rs/metrics) facade:
+//!
+//! | metric | labels | what |
+//! |---|---|---|
+//! | `idempotency_outcomes_total` | `outcome`: `executed`, `replayed`, `conflict`, `mismatch` (a per-request key reused), `rejected`, `lease_lost`, `store_error`, `fail_open`, `not_stored` (retryable), `outcome_unknown`, `passthrough` | requests, by what became of them |
+//! | `idempotency_store_seconds` | `op`: `begin`, `complete`, `thing` (the lock of a key that names a thing) | store latency |
+//!
+//! `examples/otel.rs` exports the spans with OpenTelemetry.
+//!
 //! # Redis in production
 //!
 //! [`Store::redis`] takes `redis://` and `rediss://` (TLS, the system's roots) URLs; for a

@@ -1,10 +1,6 @@
 //! Outcome counters and store latency, through the `metrics` facade when the `metrics` feature
-//! is on (no-ops otherwise).
-//!
-//! * `idempotency_outcomes_total{outcome}`: `executed`, `replayed`, `conflict`, `mismatch`,
-//!   `rejected`, `lease_lost`, `store_error`, `fail_open`, `not_stored`, `outcome_unknown`,
-//!   `passthrough`.
-//! * `idempotency_store_seconds{op}`: latency of `begin` and `complete`.
+//! is on (no-ops otherwise). The names and labels are documented for users in the crate docs
+//! ("Traces and metrics"); `tests/metrics.rs` checks them.
 
 use std::time::Duration;
 

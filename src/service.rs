@@ -124,11 +124,17 @@ where
             return ResponseFuture::passthrough(inner, request.map(RequestBody::new));
         }
         // The route template, never the path itself: a path can hold the key (a phone number
-        // in `/users/{phone}`) or other personal data, and spans may be exported.
-        let span = tracing::debug_span!(
+        // in `/users/{phone}`) or other personal data, and spans may be exported. The fields
+        // filled in as the request goes: see the crate docs, "Traces and metrics".
+        let span = tracing::info_span!(
             "idempotency",
             method = %request.method(),
             route = crate::key::template_in(request.extensions()).unwrap_or("(no route template)"),
+            decision = tracing::field::Empty,
+            reason = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            key = tracing::field::Empty,
+            store_us = tracing::field::Empty,
         );
         let begin = crate::begin::begin(self.config.clone(), request, span.clone());
         // No subscriber is interested (the usual case in production): no span to enter.
