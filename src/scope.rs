@@ -7,9 +7,12 @@
 //! reaches the store.
 //!
 //! A [key that names a thing](crate::key::KeyKind::Thing) derives two names: the thing's lock,
-//! which requests about the thing take one at a time, and a record per request identity (the
-//! key and the fingerprint), so that a different request about the thing runs while an
-//! identical resend of an earlier one still finds its outcome.
+//! which requests about the thing take one at a time, and a record per request identity, so
+//! that a different request about the thing runs while an identical resend of an earlier one
+//! still finds its outcome. A record's name is the thing's, a dot and 32 hex digits of the
+//! request's fingerprint (itself keyed), and its records are sealed with the thing's record key
+//! (each bound to its own name): an operator who knows the key finds and opens every record
+//! about the thing by the name's prefix.
 
 use http::request::Parts;
 
@@ -23,7 +26,8 @@ pub(crate) enum Naming<'a> {
     Key,
     /// The lock of a thing.
     Thing,
-    /// The record of one request about a thing: the thing's key with this fingerprint.
+    /// The record of one request about a thing: the thing's name, a dot and a prefix of this
+    /// fingerprint.
     Record(&'a [u8; 32]),
 }
 
@@ -37,6 +41,13 @@ pub(crate) fn derive(
     naming: Naming<'_>,
     sealed: bool,
 ) -> Derived {
+    if let Naming::Record(fingerprint) = naming {
+        let thing = derive(keys, parts, principal, key, Naming::Thing, sealed);
+        return Derived {
+            name: record_name(&thing.name, fingerprint),
+            record_key: thing.record_key,
+        };
+    }
     let method = parts.method.as_str().as_bytes();
     let route = route_template(parts).unwrap_or(parts.uri.path()).as_bytes();
     let (scoped, who): (&[u8], &[u8]) = match principal {
@@ -46,16 +57,12 @@ pub(crate) fn derive(
     let len = |b: &[u8]| (b.len() as u64).to_be_bytes();
     let (l_method, l_route, l_who, l_key) =
         (len(method), len(route), len(who), len(key.as_bytes()));
-    // After the key's length-prefixed field, a thing's names add one of their own (so they
-    // never equal a per-request key's, whose info ends with the key).
-    let (l_what, what): ([u8; 8], &[u8]) = match naming {
-        Naming::Key => ([0; 8], &[]),
-        Naming::Thing => (len(b"thing"), b"thing"),
-        Naming::Record(fingerprint) => (len(fingerprint), fingerprint),
-    };
+    // After the key's length-prefixed field, a thing's name adds one of its own (so it never
+    // equals a per-request key's, whose info ends with the key).
+    let l_thing = len(b"thing");
     let named: &[&[u8]] = match naming {
-        Naming::Key => &[],
-        _ => &[&l_what, what],
+        Naming::Thing => &[&l_thing, b"thing"],
+        _ => &[],
     };
     // Length-prefixed fields: field boundaries cannot be forged.
     let info: [&[u8]; 10] = [
@@ -74,6 +81,11 @@ pub(crate) fn derive(
     all[..10].copy_from_slice(&info);
     all[10..10 + named.len()].copy_from_slice(named);
     keys.derive(&all[..10 + named.len()], sealed)
+}
+
+/// The name of a record about the thing named `thing`, for a request with `fingerprint`.
+pub(crate) fn record_name(thing: &str, fingerprint: &[u8; 32]) -> String {
+    format!("{thing}.{}", crate::secret::hex(&fingerprint[..16]))
 }
 
 #[cfg(test)]
@@ -147,7 +159,10 @@ mod tests {
                 assert_ne!(x, y);
             }
         }
-        assert_ne!(a.record_key, b.record_key);
+        // Found by the thing's name, opened with the thing's key (each bound to its own name).
+        assert!(a.name.starts_with(&format!("{}.", thing.name)) && a.name.len() == 64 + 1 + 32);
+        assert_eq!(a.record_key, thing.record_key);
+        assert_eq!(b.record_key, thing.record_key);
         assert_eq!(
             a.name,
             named(Naming::Record(&[1; 32])).name,
