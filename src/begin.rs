@@ -2,7 +2,7 @@
 //! round trip, whether to replay, reject or run.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use distlock::{Begin, LockError, LockGuard};
@@ -19,8 +19,9 @@ use crate::metrics::{Event, count, store_latency};
 use crate::outcome::DecisionCell;
 use crate::problem::html::ForBrowser;
 use crate::replay::{Stored, join, replay};
-use crate::run::Run;
+use crate::run::{Held, Run};
 use crate::scope::{Naming, derive};
+use crate::secret::Keys;
 use crate::{IDEMPOTENT_REPLAYED, IdempotencyContext, KeyKind, Rejection};
 use tracing::Span;
 
@@ -294,9 +295,61 @@ where
     );
     match began {
         Ok(Begin::Acquired(guard)) => {
+            // A rotation under way: what the previous secrets' names hold.
+            let previous = if config.previous.is_empty() {
+                Vec::new()
+            } else {
+                match Box::pin(take_previous(
+                    &config,
+                    &parts,
+                    principal.as_deref(),
+                    &key,
+                    &read,
+                ))
+                .await
+                {
+                    Previously::Held(held) => held,
+                    Previously::Refused(rejection) => {
+                        if let Err(error) = guard.abort().await {
+                            tracing::debug!(%error, "idempotency: release failed; the lease will expire");
+                        }
+                        return reject(&config, &span, rejection);
+                    }
+                    Previously::Done(found) => {
+                        if let Err(error) = guard.abort().await {
+                            tracing::debug!(%error, "idempotency: release failed; the lease will expire");
+                        }
+                        let stored = Stored {
+                            once: &found.once,
+                            key: found.record_key.as_ref(),
+                            name: &found.name,
+                            fingerprint: &found.fingerprint,
+                            request: &parts,
+                        };
+                        let (response, outcome) =
+                            Box::pin(replay(&config, stored, found.record)).await;
+                        answered(&span, &response, "replayed");
+                        count(outcome);
+                        return Decision::Respond(response);
+                    }
+                }
+            };
+            let wait = match config.on_conflict {
+                OnConflict::Wait(wait) => wait,
+                _ => config.completion_grace,
+            };
             let thing = match config.kind {
                 KeyKind::Thing => {
-                    match take_thing(&config, &parts, principal.as_deref(), &key).await {
+                    match take_thing(
+                        &config,
+                        &config.keys,
+                        &parts,
+                        principal.as_deref(),
+                        &key,
+                        wait,
+                    )
+                    .await
+                    {
                         Ok(thing) => Some(thing),
                         Err(rejection) => {
                             // Not run: the request's own lease goes at once.
@@ -333,6 +386,7 @@ where
                 run: Some(Box::new(Run {
                     guard,
                     thing,
+                    previous,
                     fingerprint,
                     record_key: derived.record_key,
                     config,
@@ -461,18 +515,16 @@ where
 /// [`OnConflict::Wait`]), then gets 409.
 async fn take_thing(
     config: &Config,
+    keys: &Keys,
     parts: &Parts,
     principal: Option<&str>,
     key: &str,
+    wait: Duration,
 ) -> Result<LockGuard, Rejection> {
-    let name = derive(&config.keys, parts, principal, key, Naming::Thing, false).name;
+    let name = derive(keys, parts, principal, key, Naming::Thing, false).name;
     let lock = match config.store.client().lock(&name) {
         Ok(lock) => lock,
         Err(e) => unreachable!("a hex name is a valid lock name: {e}"),
-    };
-    let wait = match config.on_conflict {
-        OnConflict::Wait(wait) => wait,
-        _ => config.completion_grace,
     };
     let started = Instant::now();
     let taken = if wait.is_zero() {
@@ -502,4 +554,113 @@ async fn take_thing(
             })
         }
     }
+}
+
+/// A record made under a previous secret, found while a rotation is under way.
+struct Found {
+    once: distlock::Once,
+    record_key: Option<[u8; 32]>,
+    name: String,
+    fingerprint: [u8; 32],
+    record: distlock::once::Record,
+}
+
+/// What the names the previous secrets derive hold for a request.
+enum Previously {
+    /// Nothing: their leases, held while the request runs.
+    Held(Vec<Held>),
+    /// A record: replayed.
+    Done(Box<Found>),
+    /// A lease held by another request, or a store error.
+    Refused(Rejection),
+}
+
+/// While a rotation is under way, takes the leases of the names each previous secret derives
+/// for this request (after the current one's, and without waiting: an instance whose current
+/// secret is a previous one here takes them in the other order, and one of the two gets 409
+/// instead of both waiting), or finds the record made under one of them.
+async fn take_previous(
+    config: &Config,
+    parts: &Parts,
+    principal: Option<&str>,
+    key: &str,
+    read: &crate::body::Read,
+) -> Previously {
+    let mut held = Vec::new();
+    for keys in &config.previous {
+        let fingerprint = match identify(
+            keys.fingerprinter(),
+            &config.identity,
+            parts,
+            &config.fingerprint_headers,
+            &read.data,
+            read.trailers.as_ref(),
+        ) {
+            Ok(fingerprint) => fingerprint,
+            Err(rejection) => return Previously::Refused(rejection),
+        };
+        let naming = match config.kind {
+            KeyKind::Thing => Naming::Record(&fingerprint),
+            _ => Naming::Key,
+        };
+        let derived = derive(keys, parts, principal, key, naming, config.seal);
+        let once = match config.store.client().once(&derived.name) {
+            Ok(once) => once,
+            Err(e) => unreachable!("a hex name is a valid lock name: {e}"),
+        };
+        let once = once
+            .retention(config.retention)
+            .expect("the retention was checked when the layer was built");
+        match once.begin(Bytes::copy_from_slice(&fingerprint)).await {
+            Ok(Begin::Acquired(guard)) => held.push(Held::Record(guard)),
+            Ok(Begin::Done(record)) => {
+                return Previously::Done(Box::new(Found {
+                    once,
+                    record_key: derived.record_key,
+                    name: derived.name,
+                    fingerprint,
+                    record,
+                }));
+            }
+            Ok(Begin::InFlight {
+                tag, retry_after, ..
+            }) => {
+                return Previously::Refused(
+                    if tag[..] != fingerprint[..] && config.kind == KeyKind::Request {
+                        Rejection::KeyReused
+                    } else {
+                        Rejection::Conflict {
+                            retry_after: config.conflict_retry_after(retry_after),
+                        }
+                    },
+                );
+            }
+            Ok(_) => {
+                return Previously::Refused(Rejection::StoreUnavailable {
+                    retry_after: config.retry_after,
+                });
+            }
+            Err(LockError::BrokenRecord { detail, .. }) => {
+                return Previously::Refused(Rejection::RecordUnreadable { reason: detail });
+            }
+            Err(LockError::Capacity { .. }) => {
+                return Previously::Refused(Rejection::StoreFull {
+                    retry_after: config.retry_after,
+                });
+            }
+            Err(error) => {
+                tracing::warn!(%error, "idempotency store unavailable: 503, handler not run");
+                return Previously::Refused(Rejection::StoreUnavailable {
+                    retry_after: config.retry_after,
+                });
+            }
+        }
+        if config.kind == KeyKind::Thing {
+            match take_thing(config, keys, parts, principal, key, Duration::ZERO).await {
+                Ok(thing) => held.push(Held::Thing(thing)),
+                Err(rejection) => return Previously::Refused(rejection),
+            }
+        }
+    }
+    Previously::Held(held)
 }

@@ -183,6 +183,8 @@ pub(crate) enum Rendering {
 pub(crate) struct Config {
     pub(crate) store: Store,
     pub(crate) keys: Keys,
+    /// The previous secrets' keys, consulted while a rotation is under way.
+    pub(crate) previous: Vec<Keys>,
     pub(crate) key: Arc<dyn KeySource>,
     /// What the key identifies (the source's kind, read once).
     pub(crate) kind: KeyKind,
@@ -244,6 +246,7 @@ impl std::fmt::Debug for Config {
         f.debug_struct("Config")
             .field("store", &self.store.describe())
             .field("secret", &self.keys.has_secret())
+            .field("previous_secrets", &self.previous.len())
             .field("key", &self.key.describe())
             .field("kind", &self.kind)
             .field("identity", &self.identity)
@@ -320,6 +323,7 @@ impl IdempotencyLayer {
         IdempotencyLayerBuilder {
             store,
             secret: None,
+            previous: Vec::new(),
             lease: None,
             key: Arc::new(key::header()),
             identity: Identity::Request,
@@ -384,6 +388,7 @@ impl<S> Layer<S> for IdempotencyLayer {
 pub struct IdempotencyLayerBuilder {
     store: Store,
     secret: Option<Vec<u8>>,
+    previous: Vec<Vec<u8>>,
     lease: Option<distlock::LockConfig>,
     key: Arc<dyn KeySource>,
     identity: Identity,
@@ -496,6 +501,47 @@ impl IdempotencyLayerBuilder {
             });
         }
         self.secret = Some(secret.to_vec());
+        Ok(self)
+    }
+
+    /// Secrets that were current before [`secret`](Self::secret), still consulted while a
+    /// rotation is under way: a request finds a lease or a record made under any of them, and
+    /// recognises a fingerprint made under any of them; its own lease is taken, and its record
+    /// stored, under the current secret (and a lease under each previous one too, so that an
+    /// instance still on one of them is kept out). Each previous secret costs a request one
+    /// more round trip to begin, and a release after it ran. See README, "Rotating the secret".
+    ///
+    /// # Errors
+    /// If a secret is shorter than [`MIN_SECRET_LEN`] bytes.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), tower_idempotency::ConfigError> {
+    /// use tower_idempotency::{IdempotencyLayer, Store};
+    /// let b = IdempotencyLayer::builder(Store::memory())
+    ///     .secret("the new secret: 32 random bytes.")?
+    ///     .previous_secrets(["the old secret: 32 random bytes."])?;
+    /// # Ok(()) }
+    /// ```
+    pub fn previous_secrets<I, S>(mut self, secrets: I) -> Result<Self, ConfigError>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<[u8]>,
+    {
+        let mut previous = Vec::new();
+        for secret in secrets {
+            let secret = secret.as_ref();
+            if secret.len() < MIN_SECRET_LEN {
+                return Err(ConfigError::Invalid {
+                    field: "previous_secrets",
+                    reason: format!(
+                        "{} bytes is too short to be a secret: use at least {MIN_SECRET_LEN}",
+                        secret.len()
+                    ),
+                });
+            }
+            previous.push(secret.to_vec());
+        }
+        self.previous = previous;
         Ok(self)
     }
 
@@ -1040,6 +1086,20 @@ impl IdempotencyLayerBuilder {
         }
         self.key.check()?;
         self.identity.check()?;
+        if !self.previous.is_empty() {
+            let Some(current) = &self.secret else {
+                return invalid(
+                    "previous_secrets",
+                    "previous secrets without a current one: set .secret(...)".into(),
+                );
+            };
+            if self.previous.iter().any(|p| p == current) {
+                return invalid(
+                    "previous_secrets",
+                    "the current secret is listed as a previous one".into(),
+                );
+            }
+        }
         let kind = self.key.kind();
         if self.principal.is_none() && !self.global_keys && kind == KeyKind::Request {
             return invalid(
@@ -1145,6 +1205,9 @@ impl IdempotencyLayerBuilder {
                 seal,
                 store,
                 keys: Keys::new(self.secret.as_deref()),
+                previous: (self.previous.iter())
+                    .map(|secret| Keys::new(Some(secret)))
+                    .collect(),
                 key: self.key,
                 kind,
                 identity: self.identity,

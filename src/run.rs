@@ -20,6 +20,11 @@ pub(crate) struct Run {
     /// For a key that names a thing, the thing's lock: held until this is dropped, after the
     /// outcome of the record is stored (or released).
     pub(crate) thing: Option<LockGuard>,
+    /// While previous secrets are configured, the leases taken under the names they derive
+    /// (so that an instance whose current secret is one of them is kept out): released when
+    /// this is dropped, nothing stored under them.
+    #[expect(dead_code, reason = "held for their drop, which releases them")]
+    pub(crate) previous: Vec<Held>,
     pub(crate) fingerprint: [u8; 32],
     /// The AES-256-GCM key of the record (derived from the raw key, its scope and the secret);
     /// `None` on the in-memory store, which keeps records in clear (see `record::seal`).
@@ -31,6 +36,14 @@ pub(crate) struct Run {
     pub(crate) negotiated: http::HeaderMap,
     /// The request's span, entered again while the outcome is stored.
     pub(crate) span: tracing::Span,
+}
+
+/// A lease held for the run's duration only (dropping it releases it).
+#[derive(Debug)]
+#[expect(dead_code, reason = "held for their drop, which releases them")]
+pub(crate) enum Held {
+    Record(OnceGuard),
+    Thing(LockGuard),
 }
 
 impl Run {

@@ -8,7 +8,7 @@ mod response;
 
 pub(crate) use announced::{Announced, announce_exact};
 pub use request::RequestBody;
-pub(crate) use request::read_request;
+pub(crate) use request::{Read, read_request};
 pub use response::ResponseBody;
 pub(crate) use response::{Feed, Message};
 
