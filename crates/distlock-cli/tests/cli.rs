@@ -410,9 +410,17 @@ async fn a_killed_holder_process_loses_the_lock_and_its_command_group() {
     assert!(guard.fence() >= 2);
 }
 
-/// SIGTERM while distlock waits for the reply to its acquisition (a proxy holds replies back;
+/// SIGTERM while distlock waits for the reply to its acquisition (a proxy holds the reply back;
 /// the command ran and took the lock): distlock exits with 128+15, and the lock its attempt
 /// took is freed at once, not at the end of its 30 s lease.
+///
+/// distlock waits for the lock first (it is held here, then released). The proxy holds back
+/// only the reply of the `SET` that takes the lock (`+OK`) and what follows it on that
+/// connection; the attempts that find the lock held (a `SET` answered nil, then a `GET` and
+/// `PTTL`) are answered at once, whenever they were sent. (This test used to delay every reply
+/// by 1.5 s from the moment distlock was seen subscribed: an attempt in flight then, which
+/// found the lock held, waited 1.5 s for each of its two round trips, past the 2 s command
+/// timeout, and distlock gave up with 69.)
 #[tokio::test]
 async fn an_interrupted_acquisition_frees_the_lock() {
     let server = RedisServer::start_owned().await;
@@ -435,7 +443,7 @@ async fn an_interrupted_acquisition_frees_the_lock() {
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())
     .kill_on_drop(true);
-    let child = c.spawn().unwrap();
+    let mut child = c.spawn().unwrap();
     let mut admin = server.connection().await;
     let key = format!("{prefix}:{{job}}");
     // distlock waits: it subscribed to the lock's release announcements.
@@ -445,12 +453,7 @@ async fn an_interrupted_acquisition_frees_the_lock() {
             .await,
         "distlock never waited for the lock"
     );
-    // Every reply from here on arrives 1.5 s late: below distlock's 2 s operation timeout (its
-    // lease is 30 s), so an attempt that was already on its way and still saw the lock held
-    // gets its late "held" answer without failing, and the next attempt takes the lock. The
-    // test sees that at once in Redis and signals distlock while that attempt's reply is
-    // still held back.
-    proxy.delay_replies(ms(1500));
+    proxy.hold_replies_from(b"+OK");
     let ours = held.token().as_str().to_owned();
     assert!(held.release().await.unwrap());
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -461,22 +464,32 @@ async fn an_interrupted_acquisition_frees_the_lock() {
             taken = true;
             break;
         }
+        if child.try_wait().unwrap().is_some() {
+            proxy.heal();
+            let out = finish(child).await;
+            panic!(
+                "distlock exited ({}) before its acquisition took the lock: {}",
+                out.code, out.stderr
+            );
+        }
         tokio::time::sleep(ms(2)).await;
     }
     assert!(
         taken,
-        "distlock's acquisition never ran within 10 s of the release"
+        "distlock's acquisition never took the lock within 10 s of the release"
     );
     let pid = rustix::process::Pid::from_raw(child.id().unwrap() as i32).unwrap();
     rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    // The cleanup's release reaches Redis at once (its reply is held too).
     let mut freed = false;
-    for _ in 0..100 {
+    for _ in 0..500 {
         if !admin.exists::<_, bool>(&key).await.unwrap() {
             freed = true;
             break;
         }
         tokio::time::sleep(ms(10)).await;
     }
+    proxy.heal();
     assert!(freed, "the interrupted acquisition's lock is still held");
     let out = finish(child).await;
     assert_eq!(out.code, 128 + 15, "{}", out.stderr);
