@@ -1,7 +1,6 @@
 //! `distlock run`: hold the lock while a command runs.
 
 use std::process::ExitStatus;
-use std::time::Duration;
 
 use distlock::{LockClient, LockConfig, LockError, LockGuard};
 use rustix::process::{Pid, Signal, kill_process_group};
@@ -171,9 +170,9 @@ type Signals = (
     tokio::signal::unix::Signal,
 );
 
-/// Spawns CMD under the supervisor (see `supervise.rs`: it leads CMD's process group and ends
-/// it if distlock dies) and waits for it, terminating it if the lease is lost and forwarding
-/// signals.
+/// Spawns CMD under the supervisor (see `supervise.rs`: it leads CMD's process group, ends
+/// what CMD leaves in it, and ends it all if distlock dies) and waits for it, until nothing of
+/// the group runs; terminates the group if the lease is lost, and forwards signals.
 async fn supervise(args: &RunArgs, guard: &LockGuard, signals: Signals) -> i32 {
     let exe = match std::env::current_exe() {
         Ok(exe) => exe,
@@ -189,6 +188,8 @@ async fn supervise(args: &RunArgs, guard: &LockGuard, signals: Signals) -> i32 {
         .arg("__supervise")
         .arg("--parent")
         .arg(std::process::id().to_string())
+        .arg("--kill-after")
+        .arg(format!("{}ms", args.kill_after.as_millis()))
         .arg("--")
         .args(&args.command)
         .env("DISTLOCK_KEY", &args.key)
@@ -207,25 +208,20 @@ async fn supervise(args: &RunArgs, guard: &LockGuard, signals: Signals) -> i32 {
     };
     let (mut term, mut int, mut hup) = signals;
     let mut lost = false;
-    let kill_at = tokio::time::sleep(Duration::MAX);
-    tokio::pin!(kill_at);
+    // The supervisor exits once nothing of the group runs (see `supervise.rs`).
     let status: std::io::Result<ExitStatus> = loop {
         tokio::select! {
             status = child.wait() => break status,
             reason = guard.lost(), if !lost => {
                 lost = true;
                 eprintln!(
-                    "distlock: lease on {:?} lost ({reason}); sending SIGTERM to CMD (pid {})",
+                    "distlock: lease on {:?} lost ({reason}); ending CMD's process group {} (SIGTERM, SIGKILL after {:?})",
                     args.key,
-                    group.as_raw_pid()
+                    group.as_raw_pid(),
+                    args.kill_after
                 );
                 send(Signal::TERM);
-                kill_at.as_mut().reset(tokio::time::Instant::now() + args.kill_after);
-            }
-            () = &mut kill_at, if lost => {
-                eprintln!("distlock: CMD still running {:?} after SIGTERM; sending SIGKILL", args.kill_after);
-                send(Signal::KILL);
-                kill_at.as_mut().reset(tokio::time::Instant::now() + Duration::from_secs(3600));
+                send(Signal::CONT);
             }
             _ = term.recv() => send(Signal::TERM),
             _ = int.recv() => send(Signal::INT),

@@ -348,6 +348,138 @@ async fn signals_are_forwarded_and_the_lock_released() {
     );
 }
 
+/// A background loop in CMD's process group that ignores SIGTERM and appends a line to
+/// `$D/loop` every 0.1 s, for at most 30 s (so that a failed test never leaves it behind for
+/// long). Its output is not distlock's (the test reads that to its end). CMD goes on after it:
+/// `wait`, or `exit 0`.
+const LOOP: &str = "(trap '' TERM; i=0; while [ $i -lt 300 ]; do echo x >> \"$D/loop\"; sleep 0.1; i=$((i+1)); done) >/dev/null 2>&1 &";
+
+fn size(path: &Path) -> u64 {
+    std::fs::metadata(path).map_or(0, |m| m.len())
+}
+
+/// Waits (bounded) until the loop has written.
+async fn wait_for_loop(dir: &Path) {
+    let path = dir.join("loop");
+    for _ in 0..400 {
+        if size(&path) > 0 {
+            return;
+        }
+        tokio::time::sleep(ms(25)).await;
+    }
+    panic!("the background loop never wrote to {}", path.display());
+}
+
+/// Asserts that the loop writes no more: nothing for five of its periods from now.
+async fn assert_loop_ended(dir: &Path, when: &str) {
+    let path = dir.join("loop");
+    let before = size(&path);
+    tokio::time::sleep(ms(500)).await;
+    let after = size(&path);
+    assert_eq!(
+        before, after,
+        "CMD's background loop still ran {when} ({before} -> {after} bytes)"
+    );
+}
+
+/// CMD exits and leaves a child in its process group that ignores SIGTERM: distlock ends it
+/// (SIGTERM, SIGKILL after --kill-after) before it releases the lock. Before, distlock released
+/// at once and exited 0, and the loop wrote on while the next holder held the lock.
+#[tokio::test]
+async fn what_cmd_left_running_ends_before_the_release() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("cli-leftover");
+    let dir = tempfile::tempdir().unwrap();
+    // (Once the loop has written: it ignores SIGTERM from then on.)
+    let cmd = format!(
+        "{LOOP} i=0; while [ ! -s \"$D/loop\" ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done; exit 0"
+    );
+    let mut c = distlock(
+        &server,
+        &prefix,
+        "job",
+        &["--kill-after", "500ms"],
+        &["sh", "-c", &cmd],
+    );
+    c.env("D", dir.path());
+    let child = c.spawn().unwrap();
+    wait_for_loop(dir.path()).await;
+    let client = lib_client(&server, &prefix).await;
+    let next = client
+        .lock("job")
+        .unwrap()
+        .acquire(Duration::from_secs(20))
+        .await
+        .expect("distlock released the lock");
+    assert_loop_ended(dir.path(), "after distlock released the lock").await;
+    drop(next);
+    let out = finish(child).await;
+    assert_eq!(out.code, 0, "CMD's own exit code: {}", out.stderr);
+}
+
+/// SIGTERM to distlock is forwarded to CMD's group; CMD exits, its background child ignores
+/// SIGTERM and is killed after --kill-after, all before the lock is released.
+#[tokio::test]
+async fn a_forwarded_signal_ends_the_whole_group_before_the_release() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("cli-signal-group");
+    let dir = tempfile::tempdir().unwrap();
+    let cmd = format!("{LOOP} wait");
+    let mut c = distlock(
+        &server,
+        &prefix,
+        "job",
+        &["--kill-after", "500ms"],
+        &["sh", "-c", &cmd],
+    );
+    c.env("D", dir.path());
+    let child = c.spawn().unwrap();
+    wait_for_loop(dir.path()).await;
+    let pid = rustix::process::Pid::from_raw(child.id().unwrap() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    let client = lib_client(&server, &prefix).await;
+    let next = client
+        .lock("job")
+        .unwrap()
+        .acquire(Duration::from_secs(20))
+        .await
+        .expect("distlock released the lock");
+    assert_loop_ended(dir.path(), "after distlock released the lock").await;
+    drop(next);
+    let out = finish(child).await;
+    assert_eq!(out.code, 128 + 15, "sh ended by SIGTERM: {}", out.stderr);
+}
+
+/// The lease is lost (another host took the lock): distlock ends CMD's whole group (SIGTERM,
+/// SIGKILL after --kill-after for the child that ignores SIGTERM) before it exits 76. Before,
+/// it exited 76 as soon as `sh` died and the loop wrote on under the other host's lock. (The
+/// lock is already someone else's when the loss is seen: --kill-after bounds the overlap.)
+#[tokio::test]
+async fn a_lost_lease_ends_the_whole_group_before_distlock_exits() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("cli-loss-group");
+    let dir = tempfile::tempdir().unwrap();
+    let cmd = format!("{LOOP} wait");
+    let mut c = distlock(
+        &server,
+        &prefix,
+        "job",
+        &["--lease", "600ms", "--kill-after", "500ms"],
+        &["sh", "-c", &cmd],
+    );
+    c.env("D", dir.path());
+    let child = c.spawn().unwrap();
+    wait_for_loop(dir.path()).await;
+    let mut r = server.connection().await;
+    let _: () = r.del(format!("{prefix}:{{job}}")).await.unwrap();
+    let client = lib_client(&server, &prefix).await;
+    let other = client.lock("job").unwrap().try_acquire().await.unwrap();
+    let out = finish(child).await;
+    assert_eq!(out.code, 76, "{}", out.stderr);
+    assert_loop_ended(dir.path(), "after distlock exited 76").await;
+    assert!(other.release().await.unwrap());
+}
+
 /// Whether the process `pid` is gone (or a zombie nobody reaped: it runs no more code).
 #[cfg(target_os = "linux")]
 fn dead(pid: u32) -> bool {
