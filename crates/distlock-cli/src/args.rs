@@ -26,6 +26,13 @@ pub(crate) enum Command {
     /// Processes that left the group (setsid, daemons) are not followed. If distlock dies
     /// (SIGKILL, OOM, a crash), the supervisor kills the whole group: nothing of CMD runs on
     /// without the lock.
+    ///
+    /// Ctrl-Z (SIGTSTP) stops CMD's group with distlock; fg or bg (SIGCONT) continues both.
+    /// The lease is not renewed while distlock is stopped: continued after it ran out (another
+    /// owner may hold the lock), CMD's group gets SIGTERM before it runs anything else, SIGKILL
+    /// after --kill-after, and distlock exits 76. At a terminal CMD gets no input (stdin is
+    /// /dev/null): its group is not the terminal's foreground group, and reading the terminal
+    /// would stop it. Pipes and files on stdin are passed on.
     #[command(after_help = crate::exit::TABLE)]
     Run(RunArgs),
     /// (Internal) The supervisor `run` starts CMD under: it leads CMD's process group and ends

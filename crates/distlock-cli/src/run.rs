@@ -3,7 +3,10 @@
 use std::process::ExitStatus;
 
 use distlock::{LockClient, LockConfig, LockError, LockGuard};
-use rustix::process::{Pid, Signal, kill_process_group};
+use std::io::IsTerminal;
+use std::process::Stdio;
+
+use rustix::process::{Pid, Signal, getpid, kill_process, kill_process_group};
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::args::RunArgs;
@@ -195,6 +198,13 @@ async fn supervise(args: &RunArgs, guard: &LockGuard, signals: Signals) -> i32 {
         .env("DISTLOCK_KEY", &args.key)
         .env("DISTLOCK_FENCE", guard.fence().to_string())
         .process_group(0);
+    if std::io::stdin().is_terminal() {
+        // CMD's group is not the terminal's foreground group: reading the terminal would stop
+        // it (SIGTTIN) while distlock renews the lease for ever. Handing it the terminal
+        // instead would put Ctrl-Z and Ctrl-C out of distlock's reach. So no terminal input:
+        // it reads end-of-file. (Pipes and files on stdin are passed on.)
+        command.stdin(Stdio::null());
+    }
     let mut child = match command.spawn() {
         Ok(child) => child,
         Err(e) => return fail(exit::SOFTWARE, format!("cannot start the supervisor: {e}")),
@@ -207,7 +217,33 @@ async fn supervise(args: &RunArgs, guard: &LockGuard, signals: Signals) -> i32 {
         let _ = kill_process_group(group, sig);
     };
     let (mut term, mut int, mut hup) = signals;
+    // Job control: Ctrl-Z stops CMD's group with distlock, `fg` or `bg` continues both.
+    let (Ok(mut tstp), Ok(mut cont)) = (
+        signal(SignalKind::from_raw(Signal::TSTP.as_raw())),
+        signal(SignalKind::from_raw(Signal::CONT.as_raw())),
+    ) else {
+        send(Signal::KILL);
+        let _ = child.wait().await;
+        return fail(exit::SOFTWARE, "cannot install signal handlers");
+    };
     let mut lost = false;
+    // Continued (after Ctrl-Z, or a SIGSTOP from anyone): CMD's group goes on with distlock if
+    // the lease is still proven held; if not, it was not renewed while distlock was stopped and
+    // another owner may hold the lock: the group is ended before it runs anything else (the
+    // SIGTERM is pending when it continues).
+    let resume = |lost: &mut bool| {
+        if !*lost && !guard.is_held() {
+            *lost = true;
+            eprintln!(
+                "distlock: continued after the lease on {:?} ran out; ending CMD's process group {} (SIGTERM, SIGKILL after {:?})",
+                args.key,
+                group.as_raw_pid(),
+                args.kill_after
+            );
+            send(Signal::TERM);
+        }
+        send(Signal::CONT);
+    };
     // The supervisor exits once nothing of the group runs (see `supervise.rs`).
     let status: std::io::Result<ExitStatus> = loop {
         tokio::select! {
@@ -223,6 +259,13 @@ async fn supervise(args: &RunArgs, guard: &LockGuard, signals: Signals) -> i32 {
                 send(Signal::TERM);
                 send(Signal::CONT);
             }
+            _ = tstp.recv() => {
+                // Stopped for sure (SIGSTOP: CMD may ignore SIGTSTP), then ourselves.
+                send(Signal::STOP);
+                let _ = kill_process(getpid(), Signal::STOP);
+                resume(&mut lost);
+            }
+            _ = cont.recv() => resume(&mut lost),
             _ = term.recv() => send(Signal::TERM),
             _ = int.recv() => send(Signal::INT),
             _ = hup.recv() => send(Signal::HUP),
