@@ -10,12 +10,27 @@
 #
 # SKIP_VALKEY=1 leaves out the Valkey pass, for quick local runs only (CI never sets it); Valkey
 # is still installed, for the HTTP bench's peer.
+#
+# A missing tool or a failed install stops the script at once. Test suites do not: each one runs
+# to its end (`cargo test --no-fail-fast`), the next one runs after a failure, and the failures
+# are listed at the end (exit status 1 if there were any).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 fail() {
   echo "test.sh: $*" >&2
   exit 1
+}
+
+# Runs one suite (a cargo command) to its end and records it if it failed.
+FAILED=()
+suite() {
+  local status=0
+  "$@" || status=$?
+  if [ "$status" -ne 0 ]; then
+    FAILED+=("$* (exit $status)")
+    echo "test.sh: FAILED (exit $status): $*" >&2
+  fi
 }
 
 SUDO=""
@@ -79,18 +94,18 @@ acl_pass() {
   local rules
   rules="$(acl_rules)"
   [ -n "$rules" ] || fail "no ACL rules from distlock's acl example"
-  env -u REDIS_URL TESTKIT_ACL="$rules" \
-    cargo test --all-features -p distlock --test both_stores "$@" -- redis::
-  env -u REDIS_URL TESTKIT_ACL="$rules" \
-    cargo test --all-features -p tower-idempotency --test layer_suite --test examples "$@" -- redis::
+  suite env -u REDIS_URL TESTKIT_ACL="$rules" \
+    cargo test --no-fail-fast --all-features -p distlock --test both_stores "$@" -- redis::
+  suite env -u REDIS_URL TESTKIT_ACL="$rules" \
+    cargo test --no-fail-fast --all-features -p tower-idempotency --test layer_suite --test examples "$@" -- redis::
 }
 
 # --- Pass 1: everything, on Redis 7 -------------------------------------------------------------
 echo "test.sh: pass 1, the whole suite on $("$REDIS_BIN" --version | cut -d' ' -f1-3)" >&2
 export REDIS_SERVER_BIN="$REDIS_BIN"
 export VALKEY_SERVER_BIN="$VALKEY_BIN"
-cargo test --workspace --all-features --all-targets "$@"
-cargo test --workspace --all-features --doc "$@"
+suite cargo test --no-fail-fast --workspace --all-features --all-targets "$@"
+suite cargo test --no-fail-fast --workspace --all-features --doc "$@"
 echo "test.sh: pass 1, the behavioural suites as a least-privilege ACL user" >&2
 acl_pass "$@"
 
@@ -102,11 +117,20 @@ acl_pass "$@"
 if [ -z "${SKIP_VALKEY:-}" ]; then
   echo "test.sh: pass 2, the store-facing suites on $("$VALKEY_BIN" --version | cut -d' ' -f1-3)" >&2
   export REDIS_SERVER_BIN="$VALKEY_BIN"
-  env -u REDIS_URL cargo test --all-features -p distlock --lib \
+  suite env -u REDIS_URL cargo test --no-fail-fast --all-features -p distlock --lib \
     --test both_stores --test redis_lock --test redlock --test cluster --test faults \
     --test replies --test acl "$@"
-  env -u REDIS_URL cargo test --all-features -p tower-idempotency \
+  suite env -u REDIS_URL cargo test --no-fail-fast --all-features -p tower-idempotency \
     --test layer_suite --test layer_redis --test stream --test examples "$@"
   echo "test.sh: pass 2, the behavioural suites as a least-privilege ACL user on Valkey" >&2
   acl_pass "$@"
 fi
+
+if [ "${#FAILED[@]}" -ne 0 ]; then
+  echo "test.sh: ${#FAILED[@]} suite(s) failed (their failing tests are listed above, under 'failures:'):" >&2
+  for failed in "${FAILED[@]}"; do
+    echo "  $failed" >&2
+  done
+  exit 1
+fi
+echo "test.sh: every suite passed" >&2

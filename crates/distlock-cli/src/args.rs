@@ -18,10 +18,21 @@ pub(crate) enum Command {
     ///
     /// CMD gets DISTLOCK_KEY (the lock name) and DISTLOCK_FENCE (the fencing token: strictly
     /// greater than that of every earlier holder; pass it with your writes) in its environment.
-    /// CMD runs in its own process group, led by a small supervisor (distlock itself); SIGINT,
-    /// SIGTERM and SIGHUP sent to distlock are forwarded to the group, and the lock is released
-    /// after CMD exits. If distlock dies (SIGKILL, OOM, a crash), the supervisor kills the whole
-    /// group: nothing of CMD runs on without the lock.
+    /// CMD runs in its own process group, led by a small supervisor (distlock itself). SIGINT,
+    /// SIGTERM and SIGHUP sent to distlock are forwarded to the group. The lock is released only
+    /// once nothing of the group runs: when CMD exits, what it left running in its group (a
+    /// background job) gets SIGTERM, then SIGKILL after --kill-after; after a forwarded signal
+    /// or a lost lease (SIGTERM), what is left of the group gets SIGKILL after --kill-after.
+    /// Processes that left the group (setsid, daemons) are not followed. If distlock dies
+    /// (SIGKILL, OOM, a crash), the supervisor kills the whole group: nothing of CMD runs on
+    /// without the lock.
+    ///
+    /// Ctrl-Z (SIGTSTP) stops CMD's group with distlock; fg or bg (SIGCONT) continues both.
+    /// The lease is not renewed while distlock is stopped: continued after it ran out (another
+    /// owner may hold the lock), CMD's group gets SIGTERM before it runs anything else, SIGKILL
+    /// after --kill-after, and distlock exits 76. At a terminal CMD gets no input (stdin is
+    /// /dev/null): its group is not the terminal's foreground group, and reading the terminal
+    /// would stop it. Pipes and files on stdin are passed on.
     #[command(after_help = crate::exit::TABLE)]
     Run(RunArgs),
     /// (Internal) The supervisor `run` starts CMD under: it leads CMD's process group and ends
@@ -35,6 +46,10 @@ pub(crate) struct SuperviseArgs {
     /// The pid of the `distlock run` process to watch.
     #[arg(long)]
     pub(crate) parent: i32,
+
+    /// How long what is left of CMD's group has after SIGTERM, before SIGKILL.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub(crate) kill_after: Duration,
 
     /// The command and its arguments.
     #[arg(required = true, last = true)]
@@ -64,7 +79,8 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub(crate) max_hold: Option<Duration>,
 
-    /// After SIGTERM on lease loss, send SIGKILL if CMD has not exited within this time.
+    /// How long CMD's process group has to end after SIGTERM (the lease lost, a signal
+    /// forwarded, or CMD exited and left processes in its group), before SIGKILL.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub(crate) kill_after: Duration,
 

@@ -8,7 +8,7 @@ pub(crate) const UNAVAILABLE: i32 = 69;
 pub(crate) const SOFTWARE: i32 = 70;
 /// The lock was not acquired before `--wait` ended (EX_TEMPFAIL).
 pub(crate) const TEMPFAIL: i32 = 75;
-/// The lease was lost while CMD ran; CMD was sent SIGTERM (EX_PROTOCOL).
+/// The lease was lost while CMD ran; CMD's group was ended (EX_PROTOCOL).
 pub(crate) const LEASE_LOST: i32 = 76;
 /// CMD exists but could not be executed (as in sh).
 pub(crate) const CANNOT_EXECUTE: i32 = 126;
@@ -24,6 +24,7 @@ Exit status:
   69   Redis unreachable (the error is printed)
   70   internal error
   75   the lock was not acquired before --wait ended (held by another owner)
-  76   the lease was lost while CMD ran: CMD was sent SIGTERM (SIGKILL after --kill-after)
+  76   the lease was lost while CMD ran: CMD's process group was sent SIGTERM (SIGKILL
+       after --kill-after), and distlock exited once it was gone
   126  CMD could not be executed
   127  CMD was not found";

@@ -1,10 +1,12 @@
 //! `distlock run`: hold the lock while a command runs.
 
 use std::process::ExitStatus;
-use std::time::Duration;
 
 use distlock::{LockClient, LockConfig, LockError, LockGuard};
-use rustix::process::{Pid, Signal, kill_process_group};
+use std::io::IsTerminal;
+use std::process::Stdio;
+
+use rustix::process::{Pid, Signal, getpid, kill_process, kill_process_group};
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::args::RunArgs;
@@ -171,9 +173,9 @@ type Signals = (
     tokio::signal::unix::Signal,
 );
 
-/// Spawns CMD under the supervisor (see `supervise.rs`: it leads CMD's process group and ends
-/// it if distlock dies) and waits for it, terminating it if the lease is lost and forwarding
-/// signals.
+/// Spawns CMD under the supervisor (see `supervise.rs`: it leads CMD's process group, ends
+/// what CMD leaves in it, and ends it all if distlock dies) and waits for it, until nothing of
+/// the group runs; terminates the group if the lease is lost, and forwards signals.
 async fn supervise(args: &RunArgs, guard: &LockGuard, signals: Signals) -> i32 {
     let exe = match std::env::current_exe() {
         Ok(exe) => exe,
@@ -189,11 +191,20 @@ async fn supervise(args: &RunArgs, guard: &LockGuard, signals: Signals) -> i32 {
         .arg("__supervise")
         .arg("--parent")
         .arg(std::process::id().to_string())
+        .arg("--kill-after")
+        .arg(format!("{}ms", args.kill_after.as_millis()))
         .arg("--")
         .args(&args.command)
         .env("DISTLOCK_KEY", &args.key)
         .env("DISTLOCK_FENCE", guard.fence().to_string())
         .process_group(0);
+    if std::io::stdin().is_terminal() {
+        // CMD's group is not the terminal's foreground group: reading the terminal would stop
+        // it (SIGTTIN) while distlock renews the lease for ever. Handing it the terminal
+        // instead would put Ctrl-Z and Ctrl-C out of distlock's reach. So no terminal input:
+        // it reads end-of-file. (Pipes and files on stdin are passed on.)
+        command.stdin(Stdio::null());
+    }
     let mut child = match command.spawn() {
         Ok(child) => child,
         Err(e) => return fail(exit::SOFTWARE, format!("cannot start the supervisor: {e}")),
@@ -206,27 +217,55 @@ async fn supervise(args: &RunArgs, guard: &LockGuard, signals: Signals) -> i32 {
         let _ = kill_process_group(group, sig);
     };
     let (mut term, mut int, mut hup) = signals;
+    // Job control: Ctrl-Z stops CMD's group with distlock, `fg` or `bg` continues both.
+    let (Ok(mut tstp), Ok(mut cont)) = (
+        signal(SignalKind::from_raw(Signal::TSTP.as_raw())),
+        signal(SignalKind::from_raw(Signal::CONT.as_raw())),
+    ) else {
+        send(Signal::KILL);
+        let _ = child.wait().await;
+        return fail(exit::SOFTWARE, "cannot install signal handlers");
+    };
     let mut lost = false;
-    let kill_at = tokio::time::sleep(Duration::MAX);
-    tokio::pin!(kill_at);
+    // Continued (after Ctrl-Z, or a SIGSTOP from anyone): CMD's group goes on with distlock if
+    // the lease is still proven held; if not, it was not renewed while distlock was stopped and
+    // another owner may hold the lock: the group is ended before it runs anything else (the
+    // SIGTERM is pending when it continues).
+    let resume = |lost: &mut bool| {
+        if !*lost && !guard.is_held() {
+            *lost = true;
+            eprintln!(
+                "distlock: continued after the lease on {:?} ran out; ending CMD's process group {} (SIGTERM, SIGKILL after {:?})",
+                args.key,
+                group.as_raw_pid(),
+                args.kill_after
+            );
+            send(Signal::TERM);
+        }
+        send(Signal::CONT);
+    };
+    // The supervisor exits once nothing of the group runs (see `supervise.rs`).
     let status: std::io::Result<ExitStatus> = loop {
         tokio::select! {
             status = child.wait() => break status,
             reason = guard.lost(), if !lost => {
                 lost = true;
                 eprintln!(
-                    "distlock: lease on {:?} lost ({reason}); sending SIGTERM to CMD (pid {})",
+                    "distlock: lease on {:?} lost ({reason}); ending CMD's process group {} (SIGTERM, SIGKILL after {:?})",
                     args.key,
-                    group.as_raw_pid()
+                    group.as_raw_pid(),
+                    args.kill_after
                 );
                 send(Signal::TERM);
-                kill_at.as_mut().reset(tokio::time::Instant::now() + args.kill_after);
+                send(Signal::CONT);
             }
-            () = &mut kill_at, if lost => {
-                eprintln!("distlock: CMD still running {:?} after SIGTERM; sending SIGKILL", args.kill_after);
-                send(Signal::KILL);
-                kill_at.as_mut().reset(tokio::time::Instant::now() + Duration::from_secs(3600));
+            _ = tstp.recv() => {
+                // Stopped for sure (SIGSTOP: CMD may ignore SIGTSTP), then ourselves.
+                send(Signal::STOP);
+                let _ = kill_process(getpid(), Signal::STOP);
+                resume(&mut lost);
             }
+            _ = cont.recv() => resume(&mut lost),
             _ = term.recv() => send(Signal::TERM),
             _ = int.recv() => send(Signal::INT),
             _ = hup.recv() => send(Signal::HUP),

@@ -348,6 +348,138 @@ async fn signals_are_forwarded_and_the_lock_released() {
     );
 }
 
+/// A background loop in CMD's process group that ignores SIGTERM and appends a line to
+/// `$D/loop` every 0.1 s, for at most 30 s (so that a failed test never leaves it behind for
+/// long). Its output is not distlock's (the test reads that to its end). CMD goes on after it:
+/// `wait`, or `exit 0`.
+const LOOP: &str = "(trap '' TERM; i=0; while [ $i -lt 300 ]; do echo x >> \"$D/loop\"; sleep 0.1; i=$((i+1)); done) >/dev/null 2>&1 &";
+
+fn size(path: &Path) -> u64 {
+    std::fs::metadata(path).map_or(0, |m| m.len())
+}
+
+/// Waits (bounded) until the loop has written.
+async fn wait_for_loop(dir: &Path) {
+    let path = dir.join("loop");
+    for _ in 0..400 {
+        if size(&path) > 0 {
+            return;
+        }
+        tokio::time::sleep(ms(25)).await;
+    }
+    panic!("the background loop never wrote to {}", path.display());
+}
+
+/// Asserts that the loop writes no more: nothing for five of its periods from now.
+async fn assert_loop_ended(dir: &Path, when: &str) {
+    let path = dir.join("loop");
+    let before = size(&path);
+    tokio::time::sleep(ms(500)).await;
+    let after = size(&path);
+    assert_eq!(
+        before, after,
+        "CMD's background loop still ran {when} ({before} -> {after} bytes)"
+    );
+}
+
+/// CMD exits and leaves a child in its process group that ignores SIGTERM: distlock ends it
+/// (SIGTERM, SIGKILL after --kill-after) before it releases the lock. Before, distlock released
+/// at once and exited 0, and the loop wrote on while the next holder held the lock.
+#[tokio::test]
+async fn what_cmd_left_running_ends_before_the_release() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("cli-leftover");
+    let dir = tempfile::tempdir().unwrap();
+    // (Once the loop has written: it ignores SIGTERM from then on.)
+    let cmd = format!(
+        "{LOOP} i=0; while [ ! -s \"$D/loop\" ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done; exit 0"
+    );
+    let mut c = distlock(
+        &server,
+        &prefix,
+        "job",
+        &["--kill-after", "500ms"],
+        &["sh", "-c", &cmd],
+    );
+    c.env("D", dir.path());
+    let child = c.spawn().unwrap();
+    wait_for_loop(dir.path()).await;
+    let client = lib_client(&server, &prefix).await;
+    let next = client
+        .lock("job")
+        .unwrap()
+        .acquire(Duration::from_secs(20))
+        .await
+        .expect("distlock released the lock");
+    assert_loop_ended(dir.path(), "after distlock released the lock").await;
+    drop(next);
+    let out = finish(child).await;
+    assert_eq!(out.code, 0, "CMD's own exit code: {}", out.stderr);
+}
+
+/// SIGTERM to distlock is forwarded to CMD's group; CMD exits, its background child ignores
+/// SIGTERM and is killed after --kill-after, all before the lock is released.
+#[tokio::test]
+async fn a_forwarded_signal_ends_the_whole_group_before_the_release() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("cli-signal-group");
+    let dir = tempfile::tempdir().unwrap();
+    let cmd = format!("{LOOP} wait");
+    let mut c = distlock(
+        &server,
+        &prefix,
+        "job",
+        &["--kill-after", "500ms"],
+        &["sh", "-c", &cmd],
+    );
+    c.env("D", dir.path());
+    let child = c.spawn().unwrap();
+    wait_for_loop(dir.path()).await;
+    let pid = rustix::process::Pid::from_raw(child.id().unwrap() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    let client = lib_client(&server, &prefix).await;
+    let next = client
+        .lock("job")
+        .unwrap()
+        .acquire(Duration::from_secs(20))
+        .await
+        .expect("distlock released the lock");
+    assert_loop_ended(dir.path(), "after distlock released the lock").await;
+    drop(next);
+    let out = finish(child).await;
+    assert_eq!(out.code, 128 + 15, "sh ended by SIGTERM: {}", out.stderr);
+}
+
+/// The lease is lost (another host took the lock): distlock ends CMD's whole group (SIGTERM,
+/// SIGKILL after --kill-after for the child that ignores SIGTERM) before it exits 76. Before,
+/// it exited 76 as soon as `sh` died and the loop wrote on under the other host's lock. (The
+/// lock is already someone else's when the loss is seen: --kill-after bounds the overlap.)
+#[tokio::test]
+async fn a_lost_lease_ends_the_whole_group_before_distlock_exits() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("cli-loss-group");
+    let dir = tempfile::tempdir().unwrap();
+    let cmd = format!("{LOOP} wait");
+    let mut c = distlock(
+        &server,
+        &prefix,
+        "job",
+        &["--lease", "600ms", "--kill-after", "500ms"],
+        &["sh", "-c", &cmd],
+    );
+    c.env("D", dir.path());
+    let child = c.spawn().unwrap();
+    wait_for_loop(dir.path()).await;
+    let mut r = server.connection().await;
+    let _: () = r.del(format!("{prefix}:{{job}}")).await.unwrap();
+    let client = lib_client(&server, &prefix).await;
+    let other = client.lock("job").unwrap().try_acquire().await.unwrap();
+    let out = finish(child).await;
+    assert_eq!(out.code, 76, "{}", out.stderr);
+    assert_loop_ended(dir.path(), "after distlock exited 76").await;
+    assert!(other.release().await.unwrap());
+}
+
 /// Whether the process `pid` is gone (or a zombie nobody reaped: it runs no more code).
 #[cfg(target_os = "linux")]
 fn dead(pid: u32) -> bool {
@@ -410,9 +542,17 @@ async fn a_killed_holder_process_loses_the_lock_and_its_command_group() {
     assert!(guard.fence() >= 2);
 }
 
-/// SIGTERM while distlock waits for the reply to its acquisition (a proxy holds replies back;
+/// SIGTERM while distlock waits for the reply to its acquisition (a proxy holds the reply back;
 /// the command ran and took the lock): distlock exits with 128+15, and the lock its attempt
 /// took is freed at once, not at the end of its 30 s lease.
+///
+/// distlock waits for the lock first (it is held here, then released). The proxy holds back
+/// only the reply of the `SET` that takes the lock (`+OK`) and what follows it on that
+/// connection; the attempts that find the lock held (a `SET` answered nil, then a `GET` and
+/// `PTTL`) are answered at once, whenever they were sent. (This test used to delay every reply
+/// by 1.5 s from the moment distlock was seen subscribed: an attempt in flight then, which
+/// found the lock held, waited 1.5 s for each of its two round trips, past the 2 s command
+/// timeout, and distlock gave up with 69.)
 #[tokio::test]
 async fn an_interrupted_acquisition_frees_the_lock() {
     let server = RedisServer::start_owned().await;
@@ -435,7 +575,7 @@ async fn an_interrupted_acquisition_frees_the_lock() {
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())
     .kill_on_drop(true);
-    let child = c.spawn().unwrap();
+    let mut child = c.spawn().unwrap();
     let mut admin = server.connection().await;
     let key = format!("{prefix}:{{job}}");
     // distlock waits: it subscribed to the lock's release announcements.
@@ -445,12 +585,7 @@ async fn an_interrupted_acquisition_frees_the_lock() {
             .await,
         "distlock never waited for the lock"
     );
-    // Every reply from here on arrives 1.5 s late: below distlock's 2 s operation timeout (its
-    // lease is 30 s), so an attempt that was already on its way and still saw the lock held
-    // gets its late "held" answer without failing, and the next attempt takes the lock. The
-    // test sees that at once in Redis and signals distlock while that attempt's reply is
-    // still held back.
-    proxy.delay_replies(ms(1500));
+    proxy.hold_replies_from(b"+OK");
     let ours = held.token().as_str().to_owned();
     assert!(held.release().await.unwrap());
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -461,22 +596,32 @@ async fn an_interrupted_acquisition_frees_the_lock() {
             taken = true;
             break;
         }
+        if child.try_wait().unwrap().is_some() {
+            proxy.heal();
+            let out = finish(child).await;
+            panic!(
+                "distlock exited ({}) before its acquisition took the lock: {}",
+                out.code, out.stderr
+            );
+        }
         tokio::time::sleep(ms(2)).await;
     }
     assert!(
         taken,
-        "distlock's acquisition never ran within 10 s of the release"
+        "distlock's acquisition never took the lock within 10 s of the release"
     );
     let pid = rustix::process::Pid::from_raw(child.id().unwrap() as i32).unwrap();
     rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    // The cleanup's release reaches Redis at once (its reply is held too).
     let mut freed = false;
-    for _ in 0..100 {
+    for _ in 0..500 {
         if !admin.exists::<_, bool>(&key).await.unwrap() {
             freed = true;
             break;
         }
         tokio::time::sleep(ms(10)).await;
     }
+    proxy.heal();
     assert!(freed, "the interrupted acquisition's lock is still held");
     let out = finish(child).await;
     assert_eq!(out.code, 128 + 15, "{}", out.stderr);
@@ -701,4 +846,252 @@ async fn a_frozen_redlock_master_does_not_stall_the_start() {
         took < Duration::from_millis(2_000),
         "CMD started {took:?} after distlock, stalled by the frozen master"
     );
+}
+
+/// The state letter of process `pid` in /proc (`T` stopped, `Z` zombie...), if it exists.
+#[cfg(target_os = "linux")]
+fn state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+/// Waits (bounded) until `done` holds, else panics with `what`.
+async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    for _ in 0..400 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(ms(25)).await;
+    }
+    panic!("{what} (waited 10 s)");
+}
+
+/// An interactive bash (job control on) in a pseudo-terminal made by util-linux `script`, with
+/// what the test types as its keyboard. `$D` is the test's directory; `sh "$D/run.sh"` runs
+/// distlock as a job of its own, as a user at a terminal would, its pid in `$D/distlock`.
+#[cfg(target_os = "linux")]
+struct Terminal {
+    script: Child,
+    keys: tokio::process::ChildStdin,
+    dir: std::path::PathBuf,
+    /// Killed (SIGKILL) if the test fails while it runs: a command stopped for good (the
+    /// defects these tests catch) would otherwise keep it waiting after the test.
+    distlock: Option<u32>,
+}
+
+#[cfg(target_os = "linux")]
+impl Terminal {
+    /// Starts the terminal and a `distlock run` job in it: `--redis`, `--prefix`, `--key job`,
+    /// then `extra`, then `sh $D/cmd.sh` (written here from `cmd`).
+    async fn run(
+        server: &RedisServer,
+        prefix: &str,
+        dir: &Path,
+        extra: &[&str],
+        cmd: &str,
+    ) -> Self {
+        std::fs::write(dir.join("cmd.sh"), cmd).unwrap();
+        let run = format!(
+            "echo $$ > \"$D/distlock\"\nexec {BIN} run --redis {} --prefix {prefix} --key job {} -- sh \"$D/cmd.sh\"\n",
+            server.url(),
+            extra.join(" ")
+        );
+        std::fs::write(dir.join("run.sh"), run).unwrap();
+        let mut c = Command::new("script");
+        c.args(["-qec", "bash --norc --noprofile -i", "/dev/null"])
+            .env("D", dir)
+            .env("SHELL", "/bin/bash")
+            .env_remove("REDIS_URL")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true);
+        let mut script = c.spawn().expect("util-linux script runs");
+        let keys = script.stdin.take().unwrap();
+        let mut terminal = Terminal {
+            script,
+            keys,
+            dir: dir.to_path_buf(),
+            distlock: None,
+        };
+        // Typed again until bash runs it: input typed before bash set the terminal up may be
+        // dropped.
+        let ready = dir.join("ready");
+        for _ in 0..100 {
+            terminal.type_keys("touch \"$D/ready\"\n").await;
+            tokio::time::sleep(ms(100)).await;
+            if ready.exists() {
+                break;
+            }
+        }
+        assert!(ready.exists(), "bash never ran a command in the terminal");
+        terminal.type_keys("sh \"$D/run.sh\"\n").await;
+        let pid = dir.join("distlock");
+        wait_until("distlock never started in the terminal", || {
+            std::fs::read_to_string(&pid).is_ok_and(|p| p.ends_with('\n'))
+        })
+        .await;
+        terminal.distlock = Some(
+            std::fs::read_to_string(&pid)
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap(),
+        );
+        terminal
+    }
+
+    fn distlock(&self) -> u32 {
+        self.distlock.unwrap()
+    }
+
+    async fn type_keys(&mut self, text: &str) {
+        use tokio::io::AsyncWriteExt;
+        self.keys.write_all(text.as_bytes()).await.unwrap();
+        self.keys.flush().await.unwrap();
+    }
+
+    /// Waits (bounded) for the distlock job to end and returns its exit status, as bash saw
+    /// it.
+    async fn status(&mut self) -> i32 {
+        let pid = self.distlock();
+        wait_until("distlock never exited", || dead(pid)).await;
+        self.type_keys("echo $? > \"$D/status\"\n").await;
+        let path = self.dir.join("status");
+        wait_until("bash never said distlock's exit status", || {
+            std::fs::read_to_string(&path).is_ok_and(|s| s.ends_with('\n'))
+        })
+        .await;
+        self.distlock = None;
+        std::fs::read_to_string(&path)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
+    async fn exit(mut self) {
+        self.type_keys("exit\n").await;
+        tokio::time::timeout(Duration::from_secs(30), self.script.wait())
+            .await
+            .expect("the terminal's bash exits")
+            .unwrap();
+    }
+}
+
+#[cfg(target_os = "linux")]
+impl Drop for Terminal {
+    fn drop(&mut self) {
+        if let Some(pid) = self.distlock
+            && std::thread::panicking()
+            && std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.contains("distlock"))
+        {
+            let pid = rustix::process::Pid::from_raw(pid as i32).unwrap();
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        }
+    }
+}
+
+/// A loop in CMD's group that appends a line to `$D/loop` every 0.1 s (for at most 30 s), and
+/// CMD waiting for it.
+const WRITING: &str = "(i=0; while [ $i -lt 300 ]; do echo x >> \"$D/loop\"; sleep 0.1; i=$((i+1)); done) >/dev/null 2>&1 &\nwait\n";
+
+/// distlock run at a terminal, CMD reading its input: CMD reads end-of-file and finishes.
+/// Before, CMD (in a process group that is not the terminal's foreground group) was stopped by
+/// SIGTTIN as it read, and distlock renewed the lease for ever.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn a_command_at_a_terminal_reads_no_input_instead_of_stopping() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("cli-tty-read");
+    let dir = tempfile::tempdir().unwrap();
+    let cmd = "read x; echo \"[$x] $?\" > \"$D/read\"\n";
+    let mut terminal = Terminal::run(&server, &prefix, dir.path(), &[], cmd).await;
+    let read = dir.path().join("read");
+    wait_until(
+        "CMD never finished reading (stopped by SIGTTIN, reading the terminal from outside its foreground group?)",
+        || std::fs::read_to_string(&read).is_ok_and(|s| s.ends_with('\n')),
+    )
+    .await;
+    assert_eq!(
+        std::fs::read_to_string(&read).unwrap(),
+        "[] 1\n",
+        "end-of-file"
+    );
+    assert_eq!(terminal.status().await, 0);
+    terminal.exit().await;
+}
+
+/// Ctrl-Z at the terminal stops CMD's process group with distlock, and `fg` continues both,
+/// the lease still held. Before, Ctrl-Z stopped distlock (and its renewals) but not CMD, in
+/// another process group: after one lease another host could take the lock while CMD worked on.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn ctrl_z_stops_the_command_with_distlock_and_fg_continues_both() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("cli-ctrl-z");
+    let dir = tempfile::tempdir().unwrap();
+    let mut terminal = Terminal::run(&server, &prefix, dir.path(), &[], WRITING).await;
+    wait_for_loop(dir.path()).await;
+    terminal.type_keys("\x1a").await;
+    let pid = terminal.distlock();
+    wait_until("Ctrl-Z never stopped distlock", || state(pid) == Some('T')).await;
+    assert_loop_ended(dir.path(), "while distlock was stopped").await;
+    let client = lib_client(&server, &prefix).await;
+    let lock = client.lock("job").unwrap();
+    assert!(
+        lock.try_acquire().await.is_err(),
+        "the lease is still held (10 s)"
+    );
+    terminal.type_keys("fg\n").await;
+    let path = dir.path().join("loop");
+    let stopped_at = size(&path);
+    wait_until("fg never continued CMD", || size(&path) > stopped_at).await;
+    assert!(lock.try_acquire().await.is_err(), "distlock holds the lock");
+    let pid = rustix::process::Pid::from_raw(pid as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    assert_eq!(terminal.status().await, 128 + 15);
+    terminal.exit().await;
+}
+
+/// Stopped by Ctrl-Z past the end of its lease (another owner takes the lock meanwhile), then
+/// continued: CMD's group is ended before it runs anything else (its SIGTERM is pending when
+/// it continues), and distlock exits 76.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn continued_after_the_lease_ran_out_the_command_ends_before_it_runs() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("cli-ctrl-z-lapse");
+    let dir = tempfile::tempdir().unwrap();
+    let mut terminal =
+        Terminal::run(&server, &prefix, dir.path(), &["--lease", "600ms"], WRITING).await;
+    wait_for_loop(dir.path()).await;
+    terminal.type_keys("\x1a").await;
+    let pid = terminal.distlock();
+    wait_until("Ctrl-Z never stopped distlock", || state(pid) == Some('T')).await;
+    let client = lib_client(&server, &prefix).await;
+    let other = client
+        .lock("job")
+        .unwrap()
+        .acquire(Duration::from_secs(10))
+        .await
+        .expect("the stopped holder's lease runs out");
+    assert_loop_ended(
+        dir.path(),
+        "while distlock was stopped and another owner held the lock",
+    )
+    .await;
+    let path = dir.path().join("loop");
+    let taken_at = size(&path);
+    terminal.type_keys("fg\n").await;
+    assert_eq!(terminal.status().await, 76);
+    assert_loop_ended(dir.path(), "after distlock exited").await;
+    assert_eq!(
+        size(&path),
+        taken_at,
+        "CMD ran after it was continued, while another owner held the lock"
+    );
+    assert!(other.release().await.unwrap());
+    terminal.exit().await;
 }

@@ -1,7 +1,7 @@
 //! A TCP fault proxy between a client and Redis: it forwards bytes both ways, and on request
-//! delays the server's replies, drops a reply after the command ran (and cuts the connection,
-//! as a network failure would), or black-holes connections (nothing passes either way, the
-//! sockets stay open). Commands always reach the server unless the connection is black-holed:
+//! delays the server's replies, holds back the replies of a connection from one that matches,
+//! drops a reply after the command ran (and cuts the connection, as a network failure would),
+//! or black-holes connections (nothing passes either way, the sockets stay open). Commands always reach the server unless the connection is black-holed:
 //! a dropped or late reply means a command whose outcome the client cannot know.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -24,6 +24,9 @@ struct Faults {
     cut_after: usize,
     /// Nothing is forwarded in either direction.
     blackhole: bool,
+    /// A reply chunk containing these bytes, and every later one of its connection, is held
+    /// back until the hold ends.
+    hold: Option<Vec<u8>>,
 }
 
 #[derive(Debug, Default)]
@@ -101,6 +104,20 @@ impl FaultProxy {
     pub fn delay_replies(&self, delay: Duration) {
         self.faults().delay = delay;
         self.shared.changed.notify_waiters();
+    }
+
+    /// Holds back the first reply that contains `needle` (a reply chunk, as read from the
+    /// server), and every later reply of its connection, until [`heal`](Self::heal); replies
+    /// before it and those of other connections pass, and commands still reach the server. A
+    /// client then waits for the answer to a command that ran, for as long as the test wants,
+    /// whatever else it sent before: `hold_replies_from(b"+OK")` holds a `SET NX` that took a
+    /// key, not one that found it taken.
+    ///
+    /// # Panics
+    /// If `needle` is empty.
+    pub fn hold_replies_from(&self, needle: &[u8]) {
+        assert!(!needle.is_empty(), "hold_replies_from: an empty needle");
+        self.faults().hold = Some(needle.to_vec());
     }
 
     /// Drops the next `n` replies after their commands ran, cutting each such connection.
@@ -195,7 +212,9 @@ async fn pump(client: TcpStream, server: TcpStream, shared: Arc<Shared>, id: usi
     let (mut server_read, mut server_write) = server.into_split();
     // Set when this connection is to be cut after a reply: nothing more goes to the server.
     let cutting = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let (replies, mut queued) = mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>, bool)>();
+    // (when due, the bytes, whether the connection ends after them, whether they are held)
+    let (replies, mut queued) =
+        mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>, bool, bool)>();
     let commands = {
         let shared = shared.clone();
         let cutting = cutting.clone();
@@ -220,12 +239,14 @@ async fn pump(client: TcpStream, server: TcpStream, shared: Arc<Shared>, id: usi
         let shared = shared.clone();
         async move {
             let mut buf = vec![0u8; 16 * 1024];
+            // This connection's replies are held (until the hold ends).
+            let mut holding = false;
             loop {
                 let n = match server_read.read(&mut buf).await {
                     Ok(0) | Err(_) => return,
                     Ok(n) => n,
                 };
-                let (delay, cut) = {
+                let (delay, cut, held) = {
                     let mut faults = shared.faults.lock().unwrap();
                     if faults.drop_replies > 0 {
                         faults.drop_replies -= 1;
@@ -238,10 +259,19 @@ async fn pump(client: TcpStream, server: TcpStream, shared: Arc<Shared>, id: usi
                         faults.cut_after -= 1;
                         cutting.store(true, Ordering::SeqCst);
                     }
-                    (faults.delay, cut)
+                    holding = match &faults.hold {
+                        None => false,
+                        Some(needle) => {
+                            holding
+                                || buf[..n]
+                                    .windows(needle.len())
+                                    .any(|w| w == needle.as_slice())
+                        }
+                    };
+                    (faults.delay, cut, holding)
                 };
                 let due = tokio::time::Instant::now() + delay;
-                if replies.send((due, buf[..n].to_vec(), cut)).is_err() {
+                if replies.send((due, buf[..n].to_vec(), cut, held)).is_err() {
                     return;
                 }
                 if cut {
@@ -254,8 +284,11 @@ async fn pump(client: TcpStream, server: TcpStream, shared: Arc<Shared>, id: usi
     let to_client = {
         let shared = shared.clone();
         async move {
-            while let Some((due, bytes, cut)) = queued.recv().await {
+            while let Some((due, bytes, cut, held)) = queued.recv().await {
                 tokio::time::sleep_until(due).await;
+                if held {
+                    wait_while_held(&shared).await;
+                }
                 wait_while_blackholed(&shared, id).await;
                 if client_write.write_all(&bytes).await.is_err() || cut {
                     let _ = client_write.flush().await;
@@ -268,6 +301,18 @@ async fn pump(client: TcpStream, server: TcpStream, shared: Arc<Shared>, id: usi
         () = commands => {}
         () = from_server => {}
         () = to_client => {}
+    }
+}
+
+async fn wait_while_held(shared: &Shared) {
+    loop {
+        let changed = shared.changed.notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        if shared.faults.lock().unwrap().hold.is_none() {
+            return;
+        }
+        changed.await;
     }
 }
 
@@ -357,5 +402,75 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(value, "3", "held commands pass once the black hole ends");
+    }
+
+    #[tokio::test]
+    async fn holds_the_replies_of_a_connection_from_the_one_that_matches() {
+        let server = crate::RedisServer::start_owned().await;
+        let proxy = FaultProxy::start(&server).await;
+        let mut held = conn(&proxy).await;
+        let mut other = conn(&proxy).await;
+        let _: () = redis::cmd("SET")
+            .arg("k")
+            .arg("1")
+            .query_async(&mut held)
+            .await
+            .unwrap();
+
+        proxy.hold_replies_from(b"+OK");
+        let taken: Option<String> = redis::cmd("SET")
+            .arg("k")
+            .arg("2")
+            .arg("NX")
+            .query_async(&mut held)
+            .await
+            .unwrap();
+        assert_eq!(taken, None, "a reply without the needle passes");
+        let set = tokio::spawn(async move {
+            let _: () = redis::cmd("SET")
+                .arg("j")
+                .arg("1")
+                .query_async(&mut held)
+                .await
+                .unwrap();
+            let value: String = redis::cmd("GET")
+                .arg("k")
+                .query_async(&mut held)
+                .await
+                .unwrap();
+            value
+        });
+        let mut direct = server.connection().await;
+        let mut ran = false;
+        for _ in 0..400 {
+            let j: Option<String> = redis::cmd("GET")
+                .arg("j")
+                .query_async(&mut direct)
+                .await
+                .unwrap();
+            if j.is_some() {
+                ran = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(ran, "the command ran");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            !set.is_finished(),
+            "its reply is held, and the next one behind it"
+        );
+        let value: String = redis::cmd("GET")
+            .arg("k")
+            .query_async(&mut other)
+            .await
+            .unwrap();
+        assert_eq!(value, "1", "other connections pass");
+        proxy.heal();
+        let value = tokio::time::timeout(Duration::from_secs(10), set)
+            .await
+            .expect("the held replies pass once the hold ends")
+            .unwrap();
+        assert_eq!(value, "1");
     }
 }
