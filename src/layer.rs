@@ -474,9 +474,9 @@ impl IdempotencyLayerBuilder {
     /// [`names_a_thing`](crate::KeySourceExt::names_a_thing)) can be guessed, and are refused
     /// without a secret. A per-request key, which the client makes up, is not.
     ///
-    /// Rotating the secret: records stored under the old one simply stop matching (a retry
-    /// that arrives after the rotation runs the handler again), so rotate when that is
-    /// acceptable, e.g. after the retention period with the traffic drained.
+    /// Rotating the secret without a window: keep the old one as a
+    /// [`previous_secrets`](Self::previous_secrets) entry for a retention (README, "Rotating
+    /// the secret").
     ///
     /// # Errors
     /// If the secret is shorter than [`MIN_SECRET_LEN`] bytes.
