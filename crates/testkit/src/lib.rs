@@ -6,8 +6,8 @@
 //!   paused (SIGSTOP/SIGCONT) and restarted on the same port.
 //! * [`History`] and [`check`]: record critical sections (in memory or in a file shared by several
 //!   processes) and prove there was never more than one holder and fencing tokens only grew.
-//! * [`FaultProxy`]: a TCP proxy between a client and Redis that delays replies, drops a reply
-//!   after its command ran, or black-holes connections.
+//! * [`FaultProxy`]: a TCP proxy between a client and Redis that delays replies, limits the
+//!   bandwidth (a slow link), drops a reply after its command ran, or black-holes connections.
 //! * [`TestCa`] and [`ServerOptions::tls`]: a CA with server and client certificates, and a
 //!   `redis-server` serving TLS with them (mutual TLS optional).
 //! * [`RedisServer::acl_user`]: a least-privilege ACL user and the URL that logs in as it.
