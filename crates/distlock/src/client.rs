@@ -206,6 +206,32 @@ impl LockClient {
         self.inner.backend.supports_streaming()
     }
 
+    /// The largest run-once record this client's locks store: a record written whole
+    /// ([`OnceGuard::complete`](crate::OnceGuard::complete)), or one part of a streamed one.
+    /// Larger ones are refused with [`LockError::TooLarge`](crate::LockError::TooLarge)
+    /// before anything is sent (the guard still holds the lock after
+    /// [`try_complete`](crate::OnceGuard::try_complete)). Check a limit of your own against it
+    /// when you build (the `tower-idempotency` layer's record limit, for example).
+    ///
+    /// [`MAX_PART_LEN`](crate::once::MAX_PART_LEN) (512 MiB, the largest Redis string) on
+    /// every store but Redlock. On Redlock a record travels to every master within a timeout:
+    /// each master is given the [node timeout](LockClientBuilder::node_timeout) plus the
+    /// record's size at an assumed slowest link of 10 MiB/s, and a completion (or a `begin`
+    /// that reads the record back: one node timeout to find it, then its transfer from one
+    /// master) must fit in the command timeout ([`LockConfig::op_timeout`]): the limit is
+    /// what 10 MiB/s carries in the command timeout less two node timeouts (about 18 MiB with
+    /// the defaults). Raise the command timeout for larger records.
+    ///
+    /// ```
+    /// assert_eq!(
+    ///     distlock::LockClient::memory().max_record_len(),
+    ///     distlock::once::MAX_PART_LEN
+    /// );
+    /// ```
+    pub fn max_record_len(&self) -> usize {
+        self.inner.backend.max_record_len(&self.inner.config)
+    }
+
     /// The bounds of the in-memory store ([`LockClientBuilder::memory`]); `None` for Redis.
     ///
     /// ```
@@ -381,7 +407,9 @@ impl LockClientBuilder {
 
     /// (Redlock) The timeout of one node's answer (default: 1% of the lease, at least 50 ms and
     /// at most a third of the command timeout). It must be small against the lease, so that a
-    /// node that is down costs little of the validity.
+    /// node that is down costs little of the validity. An operation that carries a run-once
+    /// record is given this plus the record's size at 10 MiB/s (see
+    /// [`LockClient::max_record_len`]).
     ///
     /// ```
     /// let b = distlock::LockClient::builder().node_timeout(std::time::Duration::from_millis(20));

@@ -134,6 +134,14 @@
 //!   hold that same record. A holder whose lease ran out on most masters may still store its
 //!   record on a few (it is told [`LockError::LeaseLost`]); that minority record is never
 //!   replayed, and those masters simply do not count for later acquisitions.
+//! * **Records travel within timeouts.** A completion is given the node timeout plus the
+//!   record's size at an assumed slowest link of 10 MiB/s on each master. `begin` answers with a
+//!   record up to 64 KiB (less with a node timeout under 25 ms) and names a larger one by its
+//!   size and SHA-1, stored with it; the quorum decides on those, then one master sends the
+//!   record, given the same time for its size. A record larger than
+//!   [`LockClient::max_record_len`] (what that link carries in the command timeout less two
+//!   node timeouts: about 18 MiB with the defaults) is refused with [`LockError::TooLarge`]
+//!   before anything is sent: it could not be stored and read back within the timeouts.
 //! * **Start-up**: [`LockClient::prepare`] reaches every master at once and is ready when a
 //!   quorum is; a frozen master joins when it answers (it connects lazily and loads the scripts
 //!   on first use), so it never stalls a fresh client.

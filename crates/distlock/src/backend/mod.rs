@@ -235,6 +235,13 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
     fn memory_limits(&self) -> Option<MemoryLimits> {
         None
     }
+    /// The largest record (a part, or a record written whole) locks with `config` store:
+    /// [`MAX_PART_LEN`](crate::once::MAX_PART_LEN), or less where a record must travel within a
+    /// timeout (Redlock).
+    fn max_record_len(&self, config: &crate::LockConfig) -> usize {
+        let _ = config;
+        crate::once::MAX_PART_LEN
+    }
     /// The error of a streaming operation this store does not offer.
     fn unsupported(&self, name: &LockName, operation: &'static str) -> LockError {
         LockError::Unsupported {

@@ -41,6 +41,9 @@ pub(crate) struct RedisBackend<C> {
     /// (one Redis, Cluster, Sentinel) or in the acquisition script (Redlock nodes, whose
     /// fences [`crate::backend::redlock`] combines).
     pipelined_fences: bool,
+    /// (Redlock masters) The largest one-part record `begin` sends with its answer; a larger
+    /// one is named by its size and digest, and read with [`RedisBackend::record`].
+    inline_records: Option<usize>,
 }
 
 impl<C> std::fmt::Debug for RedisBackend<C> {
@@ -60,6 +63,7 @@ impl<C: Conn> RedisBackend<C> {
             replicas: None,
             calls: Arc::default(),
             pipelined_fences: false,
+            inline_records: None,
         }
     }
 
@@ -78,6 +82,25 @@ impl<C: Conn> RedisBackend<C> {
         self.pipelined_fences = on;
         self
     }
+
+    /// (Redlock masters) `begin` answers with the size and digest of a one-part record longer
+    /// than `bytes` ([`NodeAttempt::Large`]) instead of the record: a large record then costs
+    /// one master's transfer, with a timeout of its own, not every master's within the node
+    /// timeout.
+    pub(crate) fn with_inline_records(mut self, bytes: usize) -> Self {
+        self.inline_records = Some(bytes);
+        self
+    }
+}
+
+/// What one master answered to an acquisition attempt.
+#[derive(Debug)]
+pub(crate) enum NodeAttempt {
+    /// The answer of [`Backend::acquire`].
+    Attempt(Attempt),
+    /// (Redlock masters) A one-part completion record too large to come with the answer: its
+    /// size and SHA-1 (hex).
+    Large { len: u64, digest: String },
 }
 
 fn int(v: &Value) -> Option<i64> {
@@ -166,6 +189,26 @@ pub(crate) fn parse_attempt(name: &str, reply: Value) -> Result<Attempt, LockErr
         }
         other => Err(bad(&format!("unknown status {other}"))),
     }
+}
+
+/// Parses the reply of `begin.lua`: [`parse_attempt`]'s replies, or `{3, length, digest}` for
+/// a record named instead of sent.
+fn parse_begin(name: &str, reply: Value) -> Result<NodeAttempt, LockError> {
+    if let Value::Array(items) = &reply
+        && items.first().and_then(int) == Some(3)
+    {
+        let bad = |detail: &str| LockError::protocol(name, format!("begin: {detail}"));
+        let [_, len, digest] =
+            <&[Value; 3]>::try_from(&items[..]).map_err(|_| bad("not three items"))?;
+        let len = int(len)
+            .and_then(|n| u64::try_from(n).ok())
+            .ok_or_else(|| bad("bad record length"))?;
+        let digest = bytes(digest.clone())
+            .and_then(|d| String::from_utf8(d.to_vec()).ok())
+            .ok_or_else(|| bad("bad record digest"))?;
+        return Ok(NodeAttempt::Large { len, digest });
+    }
+    parse_attempt(name, reply).map(NodeAttempt::Attempt)
 }
 
 /// Parses the reply of `parts.lua`: `{state, fence, parts, stored, pttl, {part, ...}}`.
@@ -550,8 +593,14 @@ impl<C: Conn> RedisBackend<C> {
     }
 }
 
-impl<C: Conn> Backend for RedisBackend<C> {
-    fn acquire<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<Attempt, LockError>> {
+impl<C: Conn> RedisBackend<C> {
+    /// An acquisition attempt ([`Backend::acquire`]); a Redlock master
+    /// ([`with_inline_records`](Self::with_inline_records)) may answer with a record's size
+    /// and digest instead of a large record.
+    pub(crate) fn acquire_node<'a>(
+        &'a self,
+        op: &'a Op,
+    ) -> BoxFuture<'a, Result<NodeAttempt, LockError>> {
         Box::pin(async move {
             let keys = [op.name.lock_key(), op.name.state_key()];
             let name = op.name.as_str();
@@ -559,7 +608,7 @@ impl<C: Conn> Backend for RedisBackend<C> {
                 Mode::Exclusive
                     if (!op.fencing || self.pipelined_fences) && self.replicas.is_none() =>
                 {
-                    (self.acquire_plain(op).await?, None)
+                    (NodeAttempt::Attempt(self.acquire_plain(op).await?), None)
                 }
                 Mode::Exclusive => {
                     let mut call = self.call(&SCRIPTS.acquire, &keys, 3);
@@ -573,18 +622,21 @@ impl<C: Conn> Backend for RedisBackend<C> {
                         Attempt::Acquired { .. } if !op.fencing => Attempt::Acquired { fence: 0 },
                         attempt => attempt,
                     };
-                    (attempt, acknowledged)
+                    (NodeAttempt::Attempt(attempt), acknowledged)
                 }
                 Mode::Once { tag, .. } => {
-                    let mut call = self.call(&SCRIPTS.begin, &record_keys(&op.name), 5);
+                    let mut call = self.call(&SCRIPTS.begin, &record_keys(&op.name), 6);
                     call.cmd
                         .arg(op.token.as_str())
                         .arg(millis(op.lease))
                         .arg(op.state_ttl_ms())
                         .arg(tag.as_ref())
                         .arg(counter_start());
+                    if let Some(inline) = self.inline_records {
+                        call.cmd.arg(inline);
+                    }
                     let (reply, acknowledged) = self.eval_replicated(op, true, call).await?;
-                    (parse_attempt(name, reply)?, acknowledged)
+                    (parse_begin(name, reply)?, acknowledged)
                 }
                 Mode::Reentrant { owner } => {
                     let mut call = self.call(&SCRIPTS.reentrant_acquire, &keys, 4);
@@ -594,10 +646,13 @@ impl<C: Conn> Backend for RedisBackend<C> {
                         .arg(op.state_ttl_ms())
                         .arg(op.token.as_str());
                     let (reply, acknowledged) = self.eval_replicated(op, true, call).await?;
-                    (parse_attempt(name, reply)?, acknowledged)
+                    (
+                        NodeAttempt::Attempt(parse_attempt(name, reply)?),
+                        acknowledged,
+                    )
                 }
             };
-            if let Attempt::Acquired { .. } = attempt
+            if let NodeAttempt::Attempt(Attempt::Acquired { .. }) = attempt
                 && let Err(error) = self.replicated(op, acknowledged)
             {
                 // Too few replicas have the lock, or the check itself failed: it does not count,
@@ -605,6 +660,40 @@ impl<C: Conn> Backend for RedisBackend<C> {
                 return Err(self.undo(op, error).await);
             }
             Ok(attempt)
+        })
+    }
+
+    /// (Redlock) The one-part record a master named by `digest` ([`NodeAttempt::Large`]), if it
+    /// still holds that very record.
+    pub(crate) fn record<'a>(
+        &'a self,
+        name: &'a LockName,
+        digest: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Bytes>, LockError>> {
+        Box::pin(async move {
+            let mut call = self.call(&SCRIPTS.record, &[name.state_key()], 1);
+            call.cmd.arg(digest);
+            match self.eval(name, false, call).await? {
+                Value::Nil => Ok(None),
+                reply => bytes(reply)
+                    .map(Some)
+                    .ok_or_else(|| LockError::protocol(name.as_str(), "record: not a string")),
+            }
+        })
+    }
+}
+
+impl<C: Conn> Backend for RedisBackend<C> {
+    fn acquire<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        Box::pin(async move {
+            match self.acquire_node(op).await? {
+                NodeAttempt::Attempt(attempt) => Ok(attempt),
+                // Only a Redlock master is asked to name large records instead of sending them.
+                NodeAttempt::Large { .. } => Err(LockError::protocol(
+                    op.name.as_str(),
+                    "begin: a record named, not sent",
+                )),
+            }
         })
     }
 
@@ -680,7 +769,7 @@ impl<C: Conn> Backend for RedisBackend<C> {
         appended: u64,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
-            let mut call = self.call(&SCRIPTS.complete, &record_keys(&op.name), 4);
+            let mut call = self.call(&SCRIPTS.complete, &record_keys(&op.name), 5);
             call.cmd
                 .arg(op.token.as_str())
                 .arg(record)
@@ -689,6 +778,9 @@ impl<C: Conn> Backend for RedisBackend<C> {
                 call.cmd.arg("-1");
             } else {
                 call.cmd.arg(appended);
+            }
+            if let Some(inline) = self.inline_records {
+                call.cmd.arg(inline);
             }
             let (reply, acknowledged) = self.eval_replicated(op, true, call).await?;
             match parse_stored(op.name.as_str(), "complete", reply)? {

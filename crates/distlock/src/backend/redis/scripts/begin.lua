@@ -5,7 +5,8 @@
 -- KEYS[1]  lock key: a string holding the owner token, with the lease as its expiry
 -- KEYS[2]  state key: a hash with n = fencing counter, m = the holder's tag, d = a one-part
 --          completion record, p = the part count of a complete streamed record, c = the token
---          that completed it.
+--          that completed it, and (Redlock masters, records longer than they send with an
+--          answer) l = the record's length, h = its SHA-1 in hex.
 -- KEYS[3]  parts key: a list, the parts of a streamed record (absent for one-part records).
 --          All keys share one {hash tag}.
 -- ARGV[1]  owner token (unique per attempt)
@@ -13,12 +14,27 @@
 -- ARGV[3]  expiry of the state key (the record retention) in milliseconds
 -- ARGV[4]  the holder's tag (e.g. a request fingerprint), shown to contenders
 -- ARGV[5]  where a new fencing counter starts: the caller's clock, in microseconds
+-- ARGV[6]  (Redlock masters) the largest one-part record sent with the answer, in bytes;
+--          absent: any
 --
--- Returns {2, record} when completed in one part, {2, first part (nil if missing), parts} when
--- completed streamed, {1, fence} when taken, {0, pttl, tag, holder's fence, parts appended}
--- when held.
+-- Returns {2, record} when completed in one part, {3, length, SHA-1 in hex} when completed in
+-- one part longer than ARGV[6] (read it with record.lua), {2, first part (nil if missing),
+-- parts} when completed streamed, {1, fence} when taken, {0, pttl, tag, holder's fence, parts
+-- appended} when held.
+local inline = tonumber(ARGV[6])
+if inline then
+  -- A large record's size and digest, stored with it (complete.lua): named without reading it.
+  local named = redis.call('HMGET', KEYS[2], 'l', 'h')
+  if named[2] and tonumber(named[1]) > inline then
+    return {3, tonumber(named[1]), named[2]}
+  end
+end
 local state = redis.call('HMGET', KEYS[2], 'd', 'p', 'n')
 if state[1] then
+  if inline and #state[1] > inline then
+    -- Stored without its size and digest (by an earlier version).
+    return {3, #state[1], redis.sha1hex(state[1])}
+  end
   return {2, state[1]}
 end
 if state[2] then
