@@ -28,7 +28,7 @@
 //!
 //! | problem (reference articles) | what this crate does |
 //! |---|---|
-//! | `SETNX` + `GETSET` lets a loser overwrite the holder's expiry (000) | acquisition is `SET key token NX PX lease`, one command, with the fencing `HINCRBY` behind it in the same pipeline (drawn while the lock is ours: the reply, which follows the draw, counts only if handled while the lease can still be proven; a `SET` whose draw failed is released), or, on a Cluster, a Sentinel-managed master and Redlock masters, one atomic script of both; nothing is ever written to a lock held by someone else |
+//! | `SETNX` + `GETSET` lets a loser overwrite the holder's expiry (000) | acquisition is `SET key token NX PX lease`, one command, with the fencing `HINCRBY` behind it in the same pipeline (drawn while the lock is ours: the reply, which follows the draw, counts only if handled while the lease can still be proven; a `SET` whose draw failed is released), or, on a Cluster, a Sentinel-managed master and Redlock masters, one atomic script that draws the fence first and takes the lock last; nothing is ever written to a lock held by someone else, and an acquisition that cannot write all it must (a state key of another type, a command the ACL user may not run) leaves no lock behind |
 //! | a constant value lets one caller release another's lock (002) | every acquisition has a fresh 128-bit [`Token`] from a CSPRNG seeded by the OS (no system call per acquisition); release is a Lua compare-and-delete, renewal a compare-and-pexpire |
 //! | a crashed holder never unlocks (003, 004) | every lock has a lease; waiters wake when it ends |
 //! | work outlives the lease (002: Redisson's watchdog) | a watchdog renews every `lease/3` while the guard lives |

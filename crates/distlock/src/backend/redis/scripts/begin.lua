@@ -40,7 +40,15 @@ end
 if state[2] then
   return {2, redis.call('LINDEX', KEYS[3], '0'), tonumber(state[2])}
 end
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+-- (pcall: a lock key of another type, a reentrant lock of the same name, is held.)
+local holder = redis.pcall('GET', KEYS[1])
+if not holder then
+  -- All or nothing: the state is written before the lock is taken, so a write that fails (a
+  -- command the ACL user may not run) leaves no lock behind, held by nobody for a whole lease.
+  -- What is written before it is harmless on its own: a raised counter (fences must increase,
+  -- not be dense), a tag shown only while someone holds the lock, the parts of a writer whose
+  -- lease is over.
+  --
   -- The counter expires with the record. Started again from 0 it would hand the next run the
   -- fence of a run already stored, and parts bound to their writer's fence would be
   -- interchangeable between the two: a new counter starts from the caller's clock instead.
@@ -50,13 +58,13 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
   -- A new writer starts from no parts (a no-op unless a writer died mid-stream).
   redis.call('DEL', KEYS[3])
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   return {1, fence}
 end
-local holder = redis.call('HMGET', KEYS[2], 'm', 'n')
 -- The same call sent again (a cluster client resends a command whose connection broke before
 -- its reply) finds its own token: taken, with the fence it drew.
-if redis.pcall('GET', KEYS[1]) == ARGV[1] then
-  return {1, tonumber(holder[2])}
+if holder == ARGV[1] then
+  return {1, tonumber(state[3])}
 end
-return {0, redis.call('PTTL', KEYS[1]), holder[1] or '', tonumber(holder[2]) or 0,
-  redis.call('LLEN', KEYS[3])}
+return {0, redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[2], 'm') or '',
+  tonumber(state[3]) or 0, redis.call('LLEN', KEYS[3])}
