@@ -250,12 +250,17 @@ impl LockClient {
     /// The check runs the release script on a lock nobody holds (`FCALL`, or `EVALSHA` where
     /// functions are not available, on this client's keys: it reads one key and writes
     /// nothing), so it also proves that the Redis user may run scripts on keys under the prefix.
+    /// Before that, a read-only script checks, without running any of them, that the user may
+    /// run every command the lock sends on those keys, from its scripts or not (Redis 7 and
+    /// Valkey: `redis.acl_check_cmd`; nothing reaches the ACL log), and names the first one
+    /// refused. On Redlock every master is checked, and the client is ready when a quorum is.
     ///
     /// # Errors
     /// * [`LockError::Config`](crate::LockError::Config) when the store refuses what the lock
     ///   needs, naming it: a command the ACL user may not run or the server does not offer
     ///   (`NOPERM`, or a command disabled or renamed, as managed services do with `EVAL`,
-    ///   `SCRIPT` and `CONFIG`), keys under the prefix the user may not access, or a TLS
+    ///   `SCRIPT` and `CONFIG`; `HINCRBY` when the user may not draw fencing tokens), keys
+    ///   under the prefix the user may not access, or a TLS
     ///   handshake that failed (an untrusted CA, a name mismatch, a client certificate the
     ///   server wanted). Retrying cannot fix these. See [the crate docs](crate#acl) for the
     ///   commands required.
@@ -271,7 +276,8 @@ impl LockClient {
     pub async fn prepare(&self) -> Result<(), crate::LockError> {
         let timeout = self.inner.config.op_timeout().max(Duration::from_secs(1)) * 4;
         let check = async {
-            self.inner.backend.prepare().await?;
+            let probe = self.name(PROBE_NAME)?;
+            self.inner.backend.prepare(&probe).await?;
             self.probe().await
         };
         let result = match tokio::time::timeout(timeout, check).await {

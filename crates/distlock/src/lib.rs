@@ -206,9 +206,13 @@
 //! [`LockClient::prepare`] loads them and runs one on the client's keys, and a refusal of both
 //! is a [`LockError::Config`] naming what was refused (`the Redis user may not run EVALSHA`,
 //! `the server does not offer SCRIPT LOAD`, `may not access the lock's keys`), instead of an
-//! error at the first acquisition. A command the scripts call that the user may not run shows
-//! up at the first operation that calls it, as a [`LockError::Redis`] carrying Redis's
-//! `NOPERM` message. `cargo run -p distlock --example acl -- PREFIX` prints the rules.
+//! error at the first acquisition. It also checks, without running any of them
+//! (`redis.acl_check_cmd`, Redis 7 and Valkey), every command the lock sends on the client's
+//! keys, and names the first one the user may not run (`the Redis user may not run HINCRBY on
+//! the lock's keys`) or the server does not offer. On Redis 6, which cannot check, such a
+//! command shows up at the first operation that sends it, as a [`LockError::Redis`] carrying
+//! Redis's refusal; an acquisition refused a command takes no lock either way.
+//! `cargo run -p distlock --example acl -- PREFIX` prints the rules.
 //!
 //! # Design decisions
 //!

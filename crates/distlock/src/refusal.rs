@@ -12,6 +12,29 @@ pub(crate) const REQUIRED: &str = "EVALSHA and SCRIPT LOAD (or FCALL, with the f
      TYPE HGET HSET HDEL HEXISTS HINCRBY HLEN PUBLISH (plus SUBSCRIBE for notifications, WAIT for \
      the replica check, ROLE for Sentinel, CLUSTER SLOTS for Cluster)";
 
+/// The refusal `prepare` found without running anything: `command` (on the lock's keys) is
+/// not allowed to the Redis user, or (`known` false) not offered by the server.
+pub(crate) fn refused_command(store: &str, command: &str, known: bool) -> LockError {
+    let (field, reason) = if known {
+        (
+            "acl",
+            format!(
+                "the Redis user may not run {command} on the lock's keys; the lock needs \
+                 {REQUIRED}"
+            ),
+        )
+    } else {
+        (
+            "commands",
+            format!(
+                "the server does not offer {command} (disabled or renamed, as some managed \
+                 services do); the lock needs {REQUIRED}"
+            ),
+        )
+    };
+    LockError::Config(ConfigError::invalid(field, format!("{store}: {reason}")))
+}
+
 /// `error` as a [`LockError::Config`] when it is a refusal of that kind, else unchanged.
 pub(crate) fn explain(error: LockError, store: &str) -> LockError {
     let source = match &error {

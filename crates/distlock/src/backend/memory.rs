@@ -974,7 +974,7 @@ impl Backend for MemoryBackend {
         Some(self.limits)
     }
 
-    fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>> {
+    fn prepare<'a>(&'a self, _probe: &'a LockName) -> BoxFuture<'a, Result<(), LockError>> {
         Box::pin(std::future::ready(Ok(())))
     }
 

@@ -483,14 +483,14 @@ impl<C: Conn> Backend for RedlockBackend<C> {
         })
     }
 
-    fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>> {
+    fn prepare<'a>(&'a self, probe: &'a crate::LockName) -> BoxFuture<'a, Result<(), LockError>> {
         Box::pin(async move {
             // All nodes at once, done as soon as a quorum is ready: a frozen or slow node must
             // not hold up a fresh client. The others join when they answer (they connect
             // lazily, and load the scripts on first use).
             let mut pending: FuturesUnordered<_> =
-                self.nodes.iter().map(RedisBackend::prepare).collect();
-            let (mut ok, mut source) = (0, None);
+                self.nodes.iter().map(|node| node.prepare(probe)).collect();
+            let (mut ok, mut source, mut refused) = (0, None, None);
             while let Some(result) = pending.next().await {
                 match result {
                     Ok(()) => ok += 1,
@@ -500,11 +500,17 @@ impl<C: Conn> Backend for RedlockBackend<C> {
                     ) => {
                         source = Some(s);
                     }
+                    // A master refuses what the lock needs (the same ACL rules on every master,
+                    // as a rule): said as such when it costs the quorum.
+                    Err(error @ LockError::Config(_)) => refused = Some(error),
                     Err(_) => {}
                 }
                 if ok >= self.quorum {
                     return Ok(());
                 }
+            }
+            if let Some(refused) = refused {
+                return Err(refused);
             }
             Err(LockError::NoQuorum {
                 name: "(scripts)".into(),

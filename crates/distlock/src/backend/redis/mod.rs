@@ -211,6 +211,21 @@ fn parse_begin(name: &str, reply: Value) -> Result<NodeAttempt, LockError> {
     parse_attempt(name, reply).map(NodeAttempt::Attempt)
 }
 
+/// Parses the reply of `check.lua`: the first command refused, and whether the server knows
+/// it (else it does not offer it); `None` when none is (or the server cannot tell).
+fn parse_check(name: &str, reply: Value) -> Result<Option<(String, bool)>, LockError> {
+    let bad = || LockError::protocol(name, format!("check: unexpected reply {reply:?}"));
+    let Value::Array(items) = &reply else {
+        return Err(bad());
+    };
+    let text = |v: &Value| bytes(v.clone()).and_then(|b| String::from_utf8(b.to_vec()).ok());
+    let (Some(command), Some(why)) = (items.first().and_then(text), items.get(1).and_then(text))
+    else {
+        return Err(bad());
+    };
+    Ok((!command.is_empty()).then(|| (command, why != "unknown")))
+}
+
 /// Parses the reply of `parts.lua`: `{state, fence, parts, stored, pttl, {part, ...}}`.
 pub(crate) fn parse_parts(name: &str, from: u64, reply: Value) -> Result<Parts, LockError> {
     let bad = |detail: &str| LockError::protocol(name, format!("parts: {detail}"));
@@ -874,13 +889,24 @@ impl<C: Conn> Backend for RedisBackend<C> {
         true
     }
 
-    fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>> {
+    fn prepare<'a>(&'a self, probe: &'a LockName) -> BoxFuture<'a, Result<(), LockError>> {
         Box::pin(async move {
             let mut conn = self.conn.clone();
             self.calls
                 .prepare(&mut conn, &SCRIPTS.all())
                 .await
-                .map_err(|e| LockError::from_redis("(scripts)", false, e))
+                .map_err(|e| LockError::from_redis("(scripts)", false, e))?;
+            // Every command the lock sends on the client's keys, checked without running any.
+            let call = self.call(&SCRIPTS.check, &record_keys(probe), 0);
+            let reply = self.eval(probe, false, call).await?;
+            match parse_check(probe.as_str(), reply)? {
+                None => Ok(()),
+                Some((command, known)) => Err(crate::refusal::refused_command(
+                    &self.describe,
+                    &command,
+                    known,
+                )),
+            }
         })
     }
 

@@ -37,10 +37,11 @@ pub(crate) struct Scripts {
     pub(crate) reentrant_extend: LuaScript,
     pub(crate) fence_sync: LuaScript,
     pub(crate) record: LuaScript,
+    pub(crate) check: LuaScript,
 }
 
 impl Scripts {
-    pub(crate) fn all(&self) -> [&LuaScript; 12] {
+    pub(crate) fn all(&self) -> [&LuaScript; 13] {
         [
             &self.acquire,
             &self.begin,
@@ -54,6 +55,7 @@ impl Scripts {
             &self.reentrant_extend,
             &self.fence_sync,
             &self.record,
+            &self.check,
         ]
     }
 }
@@ -65,7 +67,7 @@ impl Scripts {
 /// scripts that only free or renew (release, renewal) are flagged `allow-oom` so that a lock
 /// can still be released and kept while Redis is full, as before; the read-only ones are
 /// `no-writes`. The others keep the default: refused whole, before they touch anything.
-const SOURCES: [(&str, &str, &str); 12] = [
+const SOURCES: [(&str, &str, &str); 13] = [
     ("acquire", include_str!("scripts/acquire.lua"), ""),
     ("begin", include_str!("scripts/begin.lua"), ""),
     ("release", include_str!("scripts/release.lua"), "allow-oom"),
@@ -90,6 +92,7 @@ const SOURCES: [(&str, &str, &str); 12] = [
     ),
     ("fence_sync", include_str!("scripts/fence_sync.lua"), ""),
     ("record", include_str!("scripts/record.lua"), "no-writes"),
+    ("check", include_str!("scripts/check.lua"), "no-writes"),
 ];
 
 /// The function library: its name and its text (what `FUNCTION LOAD` is sent).
@@ -140,6 +143,7 @@ pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         reentrant_extend,
         fence_sync,
         record,
+        check,
     ] = SOURCES.map(|(name, text, _)| LuaScript {
         script: Script::new(text),
         function: format!("{}_{name}", LIBRARY.name),
@@ -157,6 +161,7 @@ pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         reentrant_extend,
         fence_sync,
         record,
+        check,
     }
 });
 
