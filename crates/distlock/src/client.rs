@@ -255,6 +255,14 @@ impl LockClient {
     /// Valkey: `redis.acl_check_cmd`; nothing reaches the ACL log), and names the first one
     /// refused. On Redlock every master is checked, and the client is ready when a quorum is.
     ///
+    /// It also reads the eviction policy where the user may (`CONFIG GET`, checked first: a
+    /// user or a managed service that may not is not asked, and nothing is said): a Redis
+    /// whose `maxmemory-policy` is not `noeviction` may evict a held lock or a stored record
+    /// when it fills up (and under `allkeys-*` a fencing counter), which is logged as a
+    /// warning (`tracing::warn!`), not refused: see
+    /// [`prepare_with_warnings`](Self::prepare_with_warnings) for why, and to get the warnings
+    /// instead.
+    ///
     /// # Errors
     /// * [`LockError::Config`](crate::LockError::Config) when the store refuses what the lock
     ///   needs, naming it: a command the ACL user may not run or the server does not offer
@@ -274,11 +282,43 @@ impl LockClient {
     /// # Ok(()) }
     /// ```
     pub async fn prepare(&self) -> Result<(), crate::LockError> {
+        for warning in self.prepare_with_warnings().await? {
+            tracing::warn!("distlock: {warning}");
+        }
+        Ok(())
+    }
+
+    /// [`prepare`](Self::prepare), returning what it found that weakens a promise instead of
+    /// logging it: for a caller that reports it its own way (a command-line tool on its
+    /// standard error), or refuses to start on it.
+    ///
+    /// Today that is an evicting Redis ([`StoreWarning::Eviction`](crate::StoreWarning)): a
+    /// `maxmemory-policy` other than `noeviction`, read with `CONFIG GET` where the user may run
+    /// it (checked first, so nothing is refused: managed services and least-privilege users
+    /// that may not are not asked, and get no warning). A warning, not an error: the lock works
+    /// until the server fills up, the policy is often the operator's (the default of some
+    /// managed services), and it can change after startup anyway; refusing would turn a risk
+    /// into an outage at every start.
+    ///
+    /// # Errors
+    /// As [`prepare`](Self::prepare).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// let warnings = distlock::LockClient::memory().prepare_with_warnings().await?;
+    /// assert!(warnings.is_empty());
+    /// # Ok(()) }
+    /// ```
+    pub async fn prepare_with_warnings(
+        &self,
+    ) -> Result<Vec<crate::StoreWarning>, crate::LockError> {
         let timeout = self.inner.config.op_timeout().max(Duration::from_secs(1)) * 4;
         let check = async {
             let probe = self.name(PROBE_NAME)?;
-            self.inner.backend.prepare(&probe).await?;
-            self.probe().await
+            let warnings = self.inner.backend.prepare(&probe).await?;
+            self.probe().await?;
+            Ok(warnings)
         };
         let result = match tokio::time::timeout(timeout, check).await {
             Ok(result) => result,

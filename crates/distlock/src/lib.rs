@@ -62,6 +62,16 @@
 //!   same rate; `drift` (default 1% of the lease + 2 ms) is the allowance.
 //! * **Fencing tokens** are strictly increasing as long as the state key survives: forever by
 //!   default, or for [`LockConfigBuilder::fence_ttl`] after the last use.
+//! * **Eviction.** A Redis that reaches `maxmemory` under a `volatile-*` policy (the default
+//!   of some managed services) may evict a held lock (a second client then takes it while the
+//!   first works on) or a stored run-once record (the work runs again); under `allkeys-*` the
+//!   fencing counters too, and fences start again. Run the lock's Redis with
+//!   `maxmemory-policy noeviction`: a full Redis then refuses new locks and records instead.
+//!   [`LockClient::prepare`] reads the policy where the user may run `CONFIG GET` and logs a
+//!   warning otherwise ([`LockClient::prepare_with_warnings`] returns it): a warning rather
+//!   than a refusal, since the lock works until the server fills up, the policy is often the
+//!   operator's to set, and it can change after startup anyway. Where `CONFIG` is forbidden
+//!   nothing is said.
 //!
 //! # Stores
 //!
@@ -193,7 +203,8 @@
 //!   7's default is `acl-pubsub-default resetchannels`) the lock warns once and waiters poll;
 //!   releases and completions are unaffected (scripts publish with `redis.pcall`).
 //! * **Not needed**: `EVAL`, `SCRIPT FLUSH`, `CONFIG`, `DEBUG`, `INFO`, `KEYS`, `SCAN`, `FLUSH*`,
-//!   `CLIENT`. The connections this crate opens do not send redis-rs's `CLIENT SETINFO`
+//!   `CLIENT`. (Where the user may run `CONFIG GET`, [`LockClient::prepare`] reads the
+//!   eviction policy: see [Limits](#limits); it checks first, and does not send it otherwise.) The connections this crate opens do not send redis-rs's `CLIENT SETINFO`
 //!   (Valkey and Redis 7.2+ would log its refusal in the ACL log; Redis 7.0 does not know the
 //!   command). Connections you build yourself, and those redis-rs opens through Sentinel, still
 //!   send it and ignore the refusal: on Valkey or Redis 7.2+ add `+client|setinfo` to keep the
@@ -274,6 +285,7 @@ mod refusal;
 pub mod sentinel;
 mod tls;
 mod token;
+mod warning;
 mod watchdog;
 
 pub use acl::{acl_rules, function_library};
@@ -290,3 +302,4 @@ pub use once::{Begin, Once, OnceGuard};
 pub use redact::redact_url;
 pub use tls::Tls;
 pub use token::{OwnerId, Token};
+pub use warning::StoreWarning;

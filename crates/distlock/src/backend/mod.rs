@@ -252,8 +252,12 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
     }
     /// Connects and loads whatever the operations need, so the first real operation does not
     /// pay for it, and checks that the store lets the lock do its work on the keys of `probe`
-    /// (a lock of the client's prefix): a refusal is a [`LockError::Config`] naming it.
-    fn prepare<'a>(&'a self, probe: &'a LockName) -> BoxFuture<'a, Result<(), LockError>>;
+    /// (a lock of the client's prefix): a refusal is a [`LockError::Config`] naming it. Returns
+    /// what it found that weakens a promise (an evicting Redis).
+    fn prepare<'a>(
+        &'a self,
+        probe: &'a LockName,
+    ) -> BoxFuture<'a, Result<Vec<crate::StoreWarning>, LockError>>;
     /// Where waiters register for release notifications.
     fn waiters(&self) -> &Arc<waiters::Waiters>;
     /// Whether a failed attempt is rolled back on the nodes it won (Redlock), announcing a

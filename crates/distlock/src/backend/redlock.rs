@@ -483,7 +483,10 @@ impl<C: Conn> Backend for RedlockBackend<C> {
         })
     }
 
-    fn prepare<'a>(&'a self, probe: &'a crate::LockName) -> BoxFuture<'a, Result<(), LockError>> {
+    fn prepare<'a>(
+        &'a self,
+        probe: &'a crate::LockName,
+    ) -> BoxFuture<'a, Result<Vec<crate::StoreWarning>, LockError>> {
         Box::pin(async move {
             // All nodes at once, done as soon as a quorum is ready: a frozen or slow node must
             // not hold up a fresh client. The others join when they answer (they connect
@@ -491,9 +494,14 @@ impl<C: Conn> Backend for RedlockBackend<C> {
             let mut pending: FuturesUnordered<_> =
                 self.nodes.iter().map(|node| node.prepare(probe)).collect();
             let (mut ok, mut source, mut refused) = (0, None, None);
+            // What the masters ready so far found (those that answer later are not waited for).
+            let mut warnings = Vec::new();
             while let Some(result) = pending.next().await {
                 match result {
-                    Ok(()) => ok += 1,
+                    Ok(found) => {
+                        ok += 1;
+                        warnings.extend(found);
+                    }
                     Err(
                         LockError::Unavailable { source: s, .. }
                         | LockError::Redis { source: s, .. },
@@ -506,7 +514,7 @@ impl<C: Conn> Backend for RedlockBackend<C> {
                     Err(_) => {}
                 }
                 if ok >= self.quorum {
-                    return Ok(());
+                    return Ok(warnings);
                 }
             }
             if let Some(refused) = refused {

@@ -4,6 +4,7 @@
 //! commands where they do (`RedisBackend::acquire_plain`); generic over any
 //! `redis::aio::ConnectionLike` that can be cloned (multiplexed, managed or cluster connections).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,7 +15,7 @@ use redis::aio::ConnectionLike;
 use super::waiters::Waiters;
 use super::{Appended, Attempt, Backend, BoxFuture, Mode, Op, millis};
 use crate::once::{Parts, Record, RecordState};
-use crate::{LockError, LockName};
+use crate::{LockError, LockName, StoreWarning};
 
 mod call;
 mod notify;
@@ -211,19 +212,54 @@ fn parse_begin(name: &str, reply: Value) -> Result<NodeAttempt, LockError> {
     parse_attempt(name, reply).map(NodeAttempt::Attempt)
 }
 
-/// Parses the reply of `check.lua`: the first command refused, and whether the server knows
-/// it (else it does not offer it); `None` when none is (or the server cannot tell).
-fn parse_check(name: &str, reply: Value) -> Result<Option<(String, bool)>, LockError> {
+/// What `check.lua` found.
+#[derive(Debug, PartialEq, Eq)]
+struct Checked {
+    /// The first command refused, and whether the server knows it (else it does not offer
+    /// it); `None` when none is (or the server cannot tell).
+    refused: Option<(String, bool)>,
+    /// Whether the user may run `CONFIG GET`; `None` when the server cannot tell.
+    config: Option<bool>,
+}
+
+/// Parses the reply of `check.lua`: `{command, why, config}`.
+fn parse_check(name: &str, reply: Value) -> Result<Checked, LockError> {
     let bad = || LockError::protocol(name, format!("check: unexpected reply {reply:?}"));
     let Value::Array(items) = &reply else {
         return Err(bad());
     };
     let text = |v: &Value| bytes(v.clone()).and_then(|b| String::from_utf8(b.to_vec()).ok());
-    let (Some(command), Some(why)) = (items.first().and_then(text), items.get(1).and_then(text))
-    else {
+    let (Some(command), Some(why), Some(config)) = (
+        items.first().and_then(text),
+        items.get(1).and_then(text),
+        items.get(2).and_then(int),
+    ) else {
         return Err(bad());
     };
-    Ok((!command.is_empty()).then(|| (command, why != "unknown")))
+    Ok(Checked {
+        refused: (!command.is_empty()).then(|| (command, why != "unknown")),
+        config: match config {
+            -1 => None,
+            allowed => Some(allowed == 1),
+        },
+    })
+}
+
+/// The warning about a server's eviction policy, from what `CONFIG GET maxmemory*` answered:
+/// none for `noeviction` (or no policy in the answer).
+fn eviction_warning(store: &str, config: &HashMap<String, String>) -> Option<StoreWarning> {
+    let policy = config.get("maxmemory-policy")?;
+    if policy.eq_ignore_ascii_case("noeviction") {
+        return None;
+    }
+    Some(StoreWarning::Eviction {
+        store: store.to_owned(),
+        policy: policy.clone(),
+        maxmemory: config
+            .get("maxmemory")
+            .and_then(|m| m.parse().ok())
+            .unwrap_or(0),
+    })
 }
 
 /// Parses the reply of `parts.lua`: `{state, fence, parts, stored, pttl, {part, ...}}`.
@@ -678,6 +714,29 @@ impl<C: Conn> RedisBackend<C> {
         })
     }
 
+    /// Reads the server's eviction policy (`CONFIG GET`): a warning unless it is `noeviction`.
+    /// A refusal (`CONFIG` renamed away, a user without it on Redis 6, which cannot tell
+    /// beforehand) is no error: the policy is then not checked.
+    async fn eviction(&self) -> Option<StoreWarning> {
+        let mut conn = self.conn.clone();
+        let config: redis::RedisResult<HashMap<String, String>> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory*")
+            .query_async(&mut conn)
+            .await;
+        match config {
+            Ok(config) => eviction_warning(&self.describe, &config),
+            Err(error) => {
+                tracing::debug!(
+                    store = %self.describe,
+                    %error,
+                    "the eviction policy could not be read: not checked"
+                );
+                None
+            }
+        }
+    }
+
     /// (Redlock) The one-part record a master named by `digest` ([`NodeAttempt::Large`]), if it
     /// still holds that very record.
     pub(crate) fn record<'a>(
@@ -889,7 +948,10 @@ impl<C: Conn> Backend for RedisBackend<C> {
         true
     }
 
-    fn prepare<'a>(&'a self, probe: &'a LockName) -> BoxFuture<'a, Result<(), LockError>> {
+    fn prepare<'a>(
+        &'a self,
+        probe: &'a LockName,
+    ) -> BoxFuture<'a, Result<Vec<StoreWarning>, LockError>> {
         Box::pin(async move {
             let mut conn = self.conn.clone();
             self.calls
@@ -899,14 +961,22 @@ impl<C: Conn> Backend for RedisBackend<C> {
             // Every command the lock sends on the client's keys, checked without running any.
             let call = self.call(&SCRIPTS.check, &record_keys(probe), 0);
             let reply = self.eval(probe, false, call).await?;
-            match parse_check(probe.as_str(), reply)? {
-                None => Ok(()),
-                Some((command, known)) => Err(crate::refusal::refused_command(
+            let check = parse_check(probe.as_str(), reply)?;
+            if let Some((command, known)) = check.refused {
+                return Err(crate::refusal::refused_command(
                     &self.describe,
                     &command,
                     known,
-                )),
+                ));
             }
+            if check.config == Some(false) {
+                tracing::debug!(
+                    store = %self.describe,
+                    "the Redis user may not run CONFIG GET: the eviction policy is not checked"
+                );
+                return Ok(Vec::new());
+            }
+            Ok(self.eviction().await.into_iter().collect())
         })
     }
 
