@@ -128,6 +128,36 @@ mod tests {
         }
     }
 
+    /// The crate docs' list of the commands the scripts call, and the list refusals name
+    /// (`refusal::REQUIRED`), are exactly what the scripts call.
+    #[test]
+    fn the_docs_name_every_command_the_scripts_call() {
+        let called: BTreeSet<String> = script_commands()
+            .into_iter()
+            .flat_map(|(_, commands)| commands)
+            .collect();
+        let docs = include_str!("lib.rs");
+        let (_, after) = docs
+            .split_once("since Redis checks ACLs inside scripts too: `")
+            .expect("the crate docs list what the scripts call");
+        let (list, _) = after.split_once('`').expect("a list in backquotes");
+        let listed: BTreeSet<String> = list
+            .split_whitespace()
+            .filter(|w| *w != "//!")
+            .map(String::from)
+            .collect();
+        assert_eq!(listed, called, "the crate docs' list");
+        let required: BTreeSet<&str> = crate::refusal::REQUIRED
+            .split(|c: char| !c.is_ascii_alphabetic())
+            .collect();
+        for command in &called {
+            assert!(
+                required.contains(command.as_str()),
+                "refusals do not name {command}"
+            );
+        }
+    }
+
     /// `prepare()` checks every command the lock sends on its keys (but `PUBLISH`: the
     /// announcements are optional), so that a user refused one is told at startup.
     #[test]

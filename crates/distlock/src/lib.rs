@@ -167,7 +167,8 @@
 //! [`sentinel::SentinelConnectionBuilder::master_tls`] says). The system's roots are trusted
 //! unless [`LockClientBuilder::tls`] gives a private CA; it also gives the client certificate for
 //! mutual TLS. A server the client cannot trust (an untrusted CA, a name mismatch) is a
-//! [`ConfigError`] from [`LockClient::prepare`] naming the TLS failure, and an `Unavailable`
+//! [`LockError::Config`] from [`LockClient::prepare`] naming the TLS failure (a
+//! configuration to fix, apart from `Held` and `Unavailable`), and an `Unavailable`
 //! error within the command timeout from any lock operation: never a hang. A server that
 //! refuses the client's certificate (mutual TLS) says so with an alert, which TLS 1.3 delivers
 //! after the client's side of the handshake: the client sees it, or only the closed
@@ -186,10 +187,13 @@
 //! * **Commands**: `FCALL` for every operation where the server has the lock's function
 //!   library, `EVALSHA` and `SCRIPT LOAD` where it does not (Redis 6, `FCALL` renamed away, a
 //!   user without `+fcall`, or the library missing and not loadable), and what the scripts
-//!   call, since Redis checks ACLs inside scripts too: `GET SET DEL PEXPIRE PTTL TYPE HGET HSET
-//!   HDEL HEXISTS HINCRBY HLEN PUBLISH`. `SUBSCRIBE`/`UNSUBSCRIBE` carry the release notifications. Only some setups
-//!   need the rest: `WAIT` the [replica check](LockClientBuilder::replicas), `ROLE` Sentinel
-//!   (the client checks the master it is given), `CLUSTER SLOTS` Redis Cluster.
+//!   call, since Redis checks ACLs inside scripts too: `GET SET DEL PEXPIRE PTTL TYPE HGET
+//!   HMGET HSET HDEL HEXISTS HINCRBY HLEN RPUSH LINDEX LLEN LRANGE PUBLISH` (the list and hash
+//!   commands for run-once records; `SET`, `HINCRBY`, `PEXPIRE`, `GET`, `PTTL` and `LRANGE`
+//!   are also sent outside scripts). `SUBSCRIBE`/`UNSUBSCRIBE` carry the release
+//!   notifications. Only some setups need the rest: `WAIT` the
+//!   [replica check](LockClientBuilder::replicas), `ROLE` Sentinel (the client checks the
+//!   master it is given), `CLUSTER SLOTS` Redis Cluster.
 //! * **Not `FUNCTION LOAD`**: it would let the user replace any function library on the
 //!   server, one a more privileged client calls included. A client whose user may loads the
 //!   library itself; for this user, load [`function_library`] once as an administrator
