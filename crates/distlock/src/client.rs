@@ -295,7 +295,8 @@ impl LockClient {
     /// Today that is an evicting Redis ([`StoreWarning::Eviction`](crate::StoreWarning)): a
     /// `maxmemory-policy` other than `noeviction`, read with `CONFIG GET` where the user may run
     /// it (checked first, so nothing is refused: managed services and least-privilege users
-    /// that may not are not asked, and get no warning). A warning, not an error: the lock works
+    /// that may not are not asked, and get no warning; Redis 6 cannot check beforehand, and a
+    /// refusal there is only a debug line). A warning, not an error: the lock works
     /// until the server fills up, the policy is often the operator's (the default of some
     /// managed services), and it can change after startup anyway; refusing would turn a risk
     /// into an outage at every start.

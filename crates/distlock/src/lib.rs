@@ -208,7 +208,9 @@
 //!   releases and completions are unaffected (scripts publish with `redis.pcall`).
 //! * **Not needed**: `EVAL`, `SCRIPT FLUSH`, `CONFIG`, `DEBUG`, `INFO`, `KEYS`, `SCAN`, `FLUSH*`,
 //!   `CLIENT`. (Where the user may run `CONFIG GET`, [`LockClient::prepare`] reads the
-//!   eviction policy: see [Limits](#limits); it checks first, and does not send it otherwise.) The connections this crate opens do not send redis-rs's `CLIENT SETINFO`
+//!   eviction policy: see [Limits](#limits). It checks first and does not send it otherwise;
+//!   Redis 6 cannot check, and there a user without it has one refused `CONFIG GET` per
+//!   `prepare` in the ACL log.) The connections this crate opens do not send redis-rs's `CLIENT SETINFO`
 //!   (Valkey and Redis 7.2+ would log its refusal in the ACL log; Redis 7.0 does not know the
 //!   command). Connections you build yourself, and those redis-rs opens through Sentinel, still
 //!   send it and ignore the refusal: on Valkey or Redis 7.2+ add `+client|setinfo` to keep the

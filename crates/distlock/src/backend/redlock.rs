@@ -268,25 +268,20 @@ impl<C: Conn> RedlockBackend<C> {
         let mut source = None;
         for &node in holders {
             let read = tokio::time::timeout(timeout, self.nodes[node].record(&op.name, digest));
-            match read.await {
+            let error = match read.await {
                 Ok(Ok(Some(record))) if record.len() as u64 == len => {
                     return Ok(Record::new(record, 1));
                 }
                 // Gone since the first look (expired), or another record there now.
-                Ok(Ok(_)) => {}
-                Ok(Err(
-                    LockError::Unavailable { source: s, .. } | LockError::Redis { source: s, .. },
-                )) => {
+                Ok(Ok(_)) => continue,
+                Ok(Err(error)) => error,
+                Err(_) => LockError::timeout(name, false, timeout),
+            };
+            match error {
+                LockError::Unavailable { source: s, .. } | LockError::Redis { source: s, .. } => {
                     source = Some(s);
                 }
-                Ok(Err(other)) => return Err(other),
-                Err(_) => {
-                    if let LockError::Unavailable { source: s, .. } =
-                        LockError::timeout(name, false, timeout)
-                    {
-                        source = Some(s);
-                    }
-                }
+                other => return Err(other),
             }
         }
         Err(self.no_quorum(op, 0, source))

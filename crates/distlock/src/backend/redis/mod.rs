@@ -642,9 +642,7 @@ impl<C: Conn> RedisBackend<C> {
             parse_flag(name.as_str(), "fence_sync", reply)
         }
     }
-}
 
-impl<C: Conn> RedisBackend<C> {
     /// An acquisition attempt ([`Backend::acquire`]); a Redlock master
     /// ([`with_inline_records`](Self::with_inline_records)) may answer with a record's size
     /// and digest instead of a large record.
