@@ -137,8 +137,14 @@ async fn an_evicting_redis_is_warned_about_on_stderr() {
         "{}",
         out.stderr
     );
-    let quiet = RedisServer::start_owned().await;
-    let out = run(distlock(&quiet, &prefix, "job", &[], &["true"])).await;
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("noeviction")
+        .query_async(&mut server.connection().await)
+        .await
+        .unwrap();
+    let out = run(distlock(&server, &prefix, "job", &[], &["true"])).await;
     assert_eq!((out.code, out.stderr.as_str()), (0, ""), "nothing to say");
 }
 
@@ -474,12 +480,14 @@ async fn an_interrupted_acquisition_frees_the_lock() {
             .await,
         "distlock never waited for the lock"
     );
-    // Every reply from here on arrives 1.5 s late: below distlock's 2 s operation timeout (its
-    // lease is 30 s), so an attempt that was already on its way and still saw the lock held
-    // gets its late "held" answer without failing, and the next attempt takes the lock. The
-    // test sees that at once in Redis and signals distlock while that attempt's reply is
-    // still held back.
-    proxy.delay_replies(ms(1500));
+    // Every reply from here on arrives 0.8 s late. An attempt that sees the lock held takes
+    // two round trips (`SET NX`, then `GET` and `PTTL`): 1.6 s, below distlock's 2 s operation
+    // timeout (its lease is 30 s), so an attempt on its way now (the one that follows the
+    // subscription comes right then) gets its late "held" answer without failing, and the
+    // next attempt takes the lock. The test sees that at once in Redis and signals distlock
+    // while that attempt's reply is still held back. (At 1.5 s, an attempt whose two round
+    // trips were both held back timed out and distlock exited 69.)
+    proxy.delay_replies(ms(800));
     let ours = held.token().as_str().to_owned();
     assert!(held.release().await.unwrap());
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
