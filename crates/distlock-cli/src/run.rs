@@ -64,7 +64,13 @@ pub(crate) async fn run(args: RunArgs) -> i32 {
         Ok(lock) => lock,
         Err(e) => return fail(exit::USAGE, e),
     };
-    if let Err(e) = client.prepare().await {
+    // What weakens the lock's promises (an evicting Redis) is said, and CMD still runs.
+    let prepared = client.prepare_with_warnings().await.map(|warnings| {
+        for warning in warnings {
+            eprintln!("distlock: warning: {warning}");
+        }
+    });
+    if let Err(e) = prepared {
         let shown: Vec<String> = urls.iter().map(|u| distlock::redact_url(u)).collect();
         // Reachable, but refusing what the lock needs (an ACL user without the commands, a
         // disabled command): a configuration to fix, not an outage.

@@ -113,6 +113,41 @@ async fn passes_key_and_fence_and_the_exit_code_and_releases() {
     assert!(guard.fence() > fence2);
 }
 
+/// A Redis that may evict keys (`maxmemory-policy` other than `noeviction`) is said on standard
+/// error, and the command still runs under the lock (before: nothing was said).
+#[tokio::test]
+async fn an_evicting_redis_is_warned_about_on_stderr() {
+    let server = RedisServer::start_with(
+        testkit::ServerOptions::default()
+            .arg("--maxmemory-policy")
+            .arg("allkeys-lru"),
+    )
+    .await;
+    let prefix = testkit::unique_prefix("cli-evict");
+    let out = run(distlock(&server, &prefix, "job", &[], &["true"])).await;
+    assert_eq!(out.code, 0, "CMD ran: {}", out.stderr);
+    let warnings: Vec<&str> = out
+        .stderr
+        .lines()
+        .filter(|l| l.contains("maxmemory-policy allkeys-lru"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "one warning:\n{}", out.stderr);
+    assert!(
+        warnings[0].starts_with("distlock: warning: "),
+        "{}",
+        out.stderr
+    );
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("noeviction")
+        .query_async(&mut server.connection().await)
+        .await
+        .unwrap();
+    let out = run(distlock(&server, &prefix, "job", &[], &["true"])).await;
+    assert_eq!((out.code, out.stderr.as_str()), (0, ""), "nothing to say");
+}
+
 #[tokio::test]
 async fn exit_codes_for_usage_unavailable_held_and_missing_commands() {
     let server = RedisServer::start().await;

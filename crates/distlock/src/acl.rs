@@ -66,22 +66,27 @@ fn escape(text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeSet;
+
     use super::COMMANDS;
 
-    /// Every command a script calls is in the rules (a script added or changed without its
-    /// command here fails for least-privilege users only, at run time).
-    #[test]
-    fn the_rules_name_every_command_the_scripts_call() {
-        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/backend/redis/scripts");
-        let allowed: Vec<&str> = COMMANDS.split_whitespace().collect();
-        let mut scripts = 0;
-        for file in std::fs::read_dir(dir).expect("the scripts directory") {
+    const SCRIPTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src/backend/redis/scripts");
+
+    /// The commands sent outside the scripts, on the lock's keys: the pipelined acquisition on
+    /// one Redis (`SET NX PX`, `HINCRBY`, `PEXPIRE`, then `GET` and `PTTL` when held) and the
+    /// plain reads of a completed record's parts (`LRANGE`).
+    const PLAIN: [&str; 6] = ["SET", "HINCRBY", "PEXPIRE", "GET", "PTTL", "LRANGE"];
+
+    /// Every command the scripts call (`redis.call` and `redis.pcall`), upper-case, by script.
+    fn script_commands() -> Vec<(String, BTreeSet<String>)> {
+        let mut scripts = Vec::new();
+        for file in std::fs::read_dir(SCRIPTS).expect("the scripts directory") {
             let path = file.expect("a directory entry").path();
             if path.extension().is_none_or(|e| e != "lua") {
                 continue;
             }
-            scripts += 1;
             let text = std::fs::read_to_string(&path).expect("a readable script");
+            let mut commands = BTreeSet::new();
             for call in ["redis.call(", "redis.pcall("] {
                 for rest in text.split(call).skip(1) {
                     let command: String = rest
@@ -94,15 +99,80 @@ mod tests {
                         "{}: a computed command",
                         path.display()
                     );
-                    let rule = format!("+{}", command.to_ascii_lowercase());
-                    assert!(
-                        allowed.contains(&rule.as_str()),
-                        "{} calls {command}, which the ACL rules do not allow",
-                        path.display()
-                    );
+                    commands.insert(command.to_ascii_uppercase());
                 }
             }
+            scripts.push((path.display().to_string(), commands));
         }
-        assert!(scripts >= 10, "found {scripts} scripts in {dir}");
+        assert!(
+            scripts.len() >= 10,
+            "found {} scripts in {SCRIPTS}",
+            scripts.len()
+        );
+        scripts
+    }
+
+    /// Every command a script calls is in the rules (a script added or changed without its
+    /// command here fails for least-privilege users only, at run time).
+    #[test]
+    fn the_rules_name_every_command_the_scripts_call() {
+        let allowed: Vec<&str> = COMMANDS.split_whitespace().collect();
+        for (script, commands) in script_commands() {
+            for command in commands {
+                let rule = format!("+{}", command.to_ascii_lowercase());
+                assert!(
+                    allowed.contains(&rule.as_str()),
+                    "{script} calls {command}, which the ACL rules do not allow"
+                );
+            }
+        }
+    }
+
+    /// The crate docs' list of the commands the scripts call, and the list refusals name
+    /// (`refusal::REQUIRED`), are exactly what the scripts call.
+    #[test]
+    fn the_docs_name_every_command_the_scripts_call() {
+        let called: BTreeSet<String> = script_commands()
+            .into_iter()
+            .flat_map(|(_, commands)| commands)
+            .collect();
+        let docs = include_str!("lib.rs");
+        let (_, after) = docs
+            .split_once("since Redis checks ACLs inside scripts too: `")
+            .expect("the crate docs list what the scripts call");
+        let (list, _) = after.split_once('`').expect("a list in backquotes");
+        let listed: BTreeSet<String> = list
+            .split_whitespace()
+            .filter(|w| *w != "//!")
+            .map(String::from)
+            .collect();
+        assert_eq!(listed, called, "the crate docs' list");
+        let required: BTreeSet<&str> = crate::refusal::REQUIRED
+            .split(|c: char| !c.is_ascii_alphabetic())
+            .collect();
+        for command in &called {
+            assert!(
+                required.contains(command.as_str()),
+                "refusals do not name {command}"
+            );
+        }
+    }
+
+    /// `prepare()` checks every command the lock sends on its keys (but `PUBLISH`: the
+    /// announcements are optional), so that a user refused one is told at startup.
+    #[test]
+    fn the_prepare_check_covers_every_command_the_lock_sends() {
+        let check = std::fs::read_to_string(format!("{SCRIPTS}/check.lua")).expect("check.lua");
+        let sent = script_commands()
+            .into_iter()
+            .flat_map(|(_, commands)| commands)
+            .chain(PLAIN.map(String::from))
+            .filter(|command| command != "PUBLISH");
+        for command in sent {
+            assert!(
+                check.contains(&format!("{{'{command}', ")),
+                "check.lua does not check {command}"
+            );
+        }
     }
 }

@@ -206,6 +206,32 @@ impl LockClient {
         self.inner.backend.supports_streaming()
     }
 
+    /// The largest run-once record this client's locks store: a record written whole
+    /// ([`OnceGuard::complete`](crate::OnceGuard::complete)), or one part of a streamed one.
+    /// Larger ones are refused with [`LockError::TooLarge`](crate::LockError::TooLarge)
+    /// before anything is sent (the guard still holds the lock after
+    /// [`try_complete`](crate::OnceGuard::try_complete)). Check a limit of your own against it
+    /// when you build (the `tower-idempotency` layer's record limit, for example).
+    ///
+    /// [`MAX_PART_LEN`](crate::once::MAX_PART_LEN) (512 MiB, the largest Redis string) on
+    /// every store but Redlock. On Redlock a record travels to every master within a timeout:
+    /// each master is given the [node timeout](LockClientBuilder::node_timeout) plus the
+    /// record's size at an assumed slowest link of 10 MiB/s, and a completion (or a `begin`
+    /// that reads the record back: one node timeout to find it, then its transfer from one
+    /// master) must fit in the command timeout ([`LockConfig::op_timeout`]): the limit is
+    /// what 10 MiB/s carries in the command timeout less two node timeouts (about 18 MiB with
+    /// the defaults). Raise the command timeout for larger records.
+    ///
+    /// ```
+    /// assert_eq!(
+    ///     distlock::LockClient::memory().max_record_len(),
+    ///     distlock::once::MAX_PART_LEN
+    /// );
+    /// ```
+    pub fn max_record_len(&self) -> usize {
+        self.inner.backend.max_record_len(&self.inner.config)
+    }
+
     /// The bounds of the in-memory store ([`LockClientBuilder::memory`]); `None` for Redis.
     ///
     /// ```
@@ -224,12 +250,25 @@ impl LockClient {
     /// The check runs the release script on a lock nobody holds (`FCALL`, or `EVALSHA` where
     /// functions are not available, on this client's keys: it reads one key and writes
     /// nothing), so it also proves that the Redis user may run scripts on keys under the prefix.
+    /// Before that, a read-only script checks, without running any of them, that the user may
+    /// run every command the lock sends on those keys, from its scripts or not (Redis 7 and
+    /// Valkey: `redis.acl_check_cmd`; nothing reaches the ACL log), and names the first one
+    /// refused. On Redlock every master is checked, and the client is ready when a quorum is.
+    ///
+    /// It also reads the eviction policy where the user may (`CONFIG GET`, checked first: a
+    /// user or a managed service that may not is not asked, and nothing is said): a Redis
+    /// whose `maxmemory-policy` is not `noeviction` may evict a held lock or a stored record
+    /// when it fills up (and under `allkeys-*` a fencing counter), which is logged as a
+    /// warning (`tracing::warn!`), not refused: see
+    /// [`prepare_with_warnings`](Self::prepare_with_warnings) for why, and to get the warnings
+    /// instead.
     ///
     /// # Errors
     /// * [`LockError::Config`](crate::LockError::Config) when the store refuses what the lock
     ///   needs, naming it: a command the ACL user may not run or the server does not offer
     ///   (`NOPERM`, or a command disabled or renamed, as managed services do with `EVAL`,
-    ///   `SCRIPT` and `CONFIG`), keys under the prefix the user may not access, or a TLS
+    ///   `SCRIPT` and `CONFIG`; `HINCRBY` when the user may not draw fencing tokens), keys
+    ///   under the prefix the user may not access, or a TLS
     ///   handshake that failed (an untrusted CA, a name mismatch, a client certificate the
     ///   server wanted). Retrying cannot fix these. See [the crate docs](crate#acl) for the
     ///   commands required.
@@ -243,10 +282,44 @@ impl LockClient {
     /// # Ok(()) }
     /// ```
     pub async fn prepare(&self) -> Result<(), crate::LockError> {
+        for warning in self.prepare_with_warnings().await? {
+            tracing::warn!("distlock: {warning}");
+        }
+        Ok(())
+    }
+
+    /// [`prepare`](Self::prepare), returning what it found that weakens a promise instead of
+    /// logging it: for a caller that reports it its own way (a command-line tool on its
+    /// standard error), or refuses to start on it.
+    ///
+    /// Today that is an evicting Redis ([`StoreWarning::Eviction`](crate::StoreWarning)): a
+    /// `maxmemory-policy` other than `noeviction`, read with `CONFIG GET` where the user may run
+    /// it (checked first, so nothing is refused: managed services and least-privilege users
+    /// that may not are not asked, and get no warning; Redis 6 cannot check beforehand, and a
+    /// refusal there is only a debug line). A warning, not an error: the lock works
+    /// until the server fills up, the policy is often the operator's (the default of some
+    /// managed services), and it can change after startup anyway; refusing would turn a risk
+    /// into an outage at every start.
+    ///
+    /// # Errors
+    /// As [`prepare`](Self::prepare).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// let warnings = distlock::LockClient::memory().prepare_with_warnings().await?;
+    /// assert!(warnings.is_empty());
+    /// # Ok(()) }
+    /// ```
+    pub async fn prepare_with_warnings(
+        &self,
+    ) -> Result<Vec<crate::StoreWarning>, crate::LockError> {
         let timeout = self.inner.config.op_timeout().max(Duration::from_secs(1)) * 4;
         let check = async {
-            self.inner.backend.prepare().await?;
-            self.probe().await
+            let probe = self.name(PROBE_NAME)?;
+            let warnings = self.inner.backend.prepare(&probe).await?;
+            self.probe().await?;
+            Ok(warnings)
         };
         let result = match tokio::time::timeout(timeout, check).await {
             Ok(result) => result,
@@ -381,7 +454,9 @@ impl LockClientBuilder {
 
     /// (Redlock) The timeout of one node's answer (default: 1% of the lease, at least 50 ms and
     /// at most a third of the command timeout). It must be small against the lease, so that a
-    /// node that is down costs little of the validity.
+    /// node that is down costs little of the validity. An operation that carries a run-once
+    /// record is given this plus the record's size at 10 MiB/s (see
+    /// [`LockClient::max_record_len`]).
     ///
     /// ```
     /// let b = distlock::LockClient::builder().node_timeout(std::time::Duration::from_millis(20));

@@ -123,8 +123,10 @@ pub enum LockError {
         /// The store, as [`LockClient::store`](crate::LockClient::store) describes it.
         store: String,
     },
-    /// A part (or a whole record) is larger than any store accepts
-    /// ([`once::MAX_PART_LEN`](crate::once::MAX_PART_LEN)). Nothing was sent.
+    /// A part (or a whole record) is larger than the store accepts
+    /// ([`once::MAX_PART_LEN`](crate::once::MAX_PART_LEN) on every store; on Redlock, what
+    /// a master can be sent within the timeouts:
+    /// [`LockClient::max_record_len`](crate::LockClient::max_record_len)). Nothing was sent.
     #[error("lock {name:?}: a part of {len} bytes is over the limit of {max} bytes")]
     TooLarge {
         /// The lock name.

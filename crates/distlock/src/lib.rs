@@ -28,7 +28,7 @@
 //!
 //! | problem (reference articles) | what this crate does |
 //! |---|---|
-//! | `SETNX` + `GETSET` lets a loser overwrite the holder's expiry (000) | acquisition is `SET key token NX PX lease`, one command, with the fencing `HINCRBY` behind it in the same pipeline (drawn while the lock is ours: the reply, which follows the draw, counts only if handled while the lease can still be proven; a `SET` whose draw failed is released), or, on a Cluster, a Sentinel-managed master and Redlock masters, one atomic script of both; nothing is ever written to a lock held by someone else |
+//! | `SETNX` + `GETSET` lets a loser overwrite the holder's expiry (000) | acquisition is `SET key token NX PX lease`, one command, with the fencing `HINCRBY` behind it in the same pipeline (drawn while the lock is ours: the reply, which follows the draw, counts only if handled while the lease can still be proven; a `SET` whose draw failed is released), or, on a Cluster, a Sentinel-managed master and Redlock masters, one atomic script that draws the fence first and takes the lock last; nothing is ever written to a lock held by someone else, and an acquisition that cannot write all it must (a state key of another type, a command the ACL user may not run) leaves no lock behind |
 //! | a constant value lets one caller release another's lock (002) | every acquisition has a fresh 128-bit [`Token`] from a CSPRNG seeded by the OS (no system call per acquisition); release is a Lua compare-and-delete, renewal a compare-and-pexpire |
 //! | a crashed holder never unlocks (003, 004) | every lock has a lease; waiters wake when it ends |
 //! | work outlives the lease (002: Redisson's watchdog) | a watchdog renews every `lease/3` while the guard lives |
@@ -62,6 +62,16 @@
 //!   same rate; `drift` (default 1% of the lease + 2 ms) is the allowance.
 //! * **Fencing tokens** are strictly increasing as long as the state key survives: forever by
 //!   default, or for [`LockConfigBuilder::fence_ttl`] after the last use.
+//! * **Eviction.** A Redis that reaches `maxmemory` under a `volatile-*` policy (the default
+//!   of some managed services) may evict a held lock (a second client then takes it while the
+//!   first works on) or a stored run-once record (the work runs again); under `allkeys-*` the
+//!   fencing counters too, and fences start again. Run the lock's Redis with
+//!   `maxmemory-policy noeviction`: a full Redis then refuses new locks and records instead.
+//!   [`LockClient::prepare`] reads the policy where the user may run `CONFIG GET` and logs a
+//!   warning otherwise ([`LockClient::prepare_with_warnings`] returns it): a warning rather
+//!   than a refusal, since the lock works until the server fills up, the policy is often the
+//!   operator's to set, and it can change after startup anyway. Where `CONFIG` is forbidden
+//!   nothing is said.
 //!
 //! # Stores
 //!
@@ -134,6 +144,14 @@
 //!   hold that same record. A holder whose lease ran out on most masters may still store its
 //!   record on a few (it is told [`LockError::LeaseLost`]); that minority record is never
 //!   replayed, and those masters simply do not count for later acquisitions.
+//! * **Records travel within timeouts.** A completion is given the node timeout plus the
+//!   record's size at an assumed slowest link of 10 MiB/s on each master. `begin` answers with a
+//!   record up to 64 KiB (less with a node timeout under 25 ms) and names a larger one by its
+//!   size and SHA-1, stored with it; the quorum decides on those, then one master sends the
+//!   record, given the same time for its size. A record larger than
+//!   [`LockClient::max_record_len`] (what that link carries in the command timeout less two
+//!   node timeouts: about 18 MiB with the defaults) is refused with [`LockError::TooLarge`]
+//!   before anything is sent: it could not be stored and read back within the timeouts.
 //! * **Start-up**: [`LockClient::prepare`] reaches every master at once and is ready when a
 //!   quorum is; a frozen master joins when it answers (it connects lazily and loads the scripts
 //!   on first use), so it never stalls a fresh client.
@@ -149,7 +167,8 @@
 //! [`sentinel::SentinelConnectionBuilder::master_tls`] says). The system's roots are trusted
 //! unless [`LockClientBuilder::tls`] gives a private CA; it also gives the client certificate for
 //! mutual TLS. A server the client cannot trust (an untrusted CA, a name mismatch) is a
-//! [`ConfigError`] from [`LockClient::prepare`] naming the TLS failure, and an `Unavailable`
+//! [`LockError::Config`] from [`LockClient::prepare`] naming the TLS failure (a
+//! configuration to fix, apart from `Held` and `Unavailable`), and an `Unavailable`
 //! error within the command timeout from any lock operation: never a hang. A server that
 //! refuses the client's certificate (mutual TLS) says so with an alert, which TLS 1.3 delivers
 //! after the client's side of the handshake: the client sees it, or only the closed
@@ -168,10 +187,13 @@
 //! * **Commands**: `FCALL` for every operation where the server has the lock's function
 //!   library, `EVALSHA` and `SCRIPT LOAD` where it does not (Redis 6, `FCALL` renamed away, a
 //!   user without `+fcall`, or the library missing and not loadable), and what the scripts
-//!   call, since Redis checks ACLs inside scripts too: `GET SET DEL PEXPIRE PTTL TYPE HGET HSET
-//!   HDEL HEXISTS HINCRBY HLEN PUBLISH`. `SUBSCRIBE`/`UNSUBSCRIBE` carry the release notifications. Only some setups
-//!   need the rest: `WAIT` the [replica check](LockClientBuilder::replicas), `ROLE` Sentinel
-//!   (the client checks the master it is given), `CLUSTER SLOTS` Redis Cluster.
+//!   call, since Redis checks ACLs inside scripts too: `GET SET DEL PEXPIRE PTTL TYPE HGET
+//!   HMGET HSET HDEL HEXISTS HINCRBY HLEN RPUSH LINDEX LLEN LRANGE PUBLISH` (the list and hash
+//!   commands for run-once records; `SET`, `HINCRBY`, `PEXPIRE`, `GET`, `PTTL` and `LRANGE`
+//!   are also sent outside scripts). `SUBSCRIBE`/`UNSUBSCRIBE` carry the release
+//!   notifications. Only some setups need the rest: `WAIT` the
+//!   [replica check](LockClientBuilder::replicas), `ROLE` Sentinel (the client checks the
+//!   master it is given), `CLUSTER SLOTS` Redis Cluster.
 //! * **Not `FUNCTION LOAD`**: it would let the user replace any function library on the
 //!   server, one a more privileged client calls included. A client whose user may loads the
 //!   library itself; for this user, load [`function_library`] once as an administrator
@@ -185,7 +207,10 @@
 //!   7's default is `acl-pubsub-default resetchannels`) the lock warns once and waiters poll;
 //!   releases and completions are unaffected (scripts publish with `redis.pcall`).
 //! * **Not needed**: `EVAL`, `SCRIPT FLUSH`, `CONFIG`, `DEBUG`, `INFO`, `KEYS`, `SCAN`, `FLUSH*`,
-//!   `CLIENT`. The connections this crate opens do not send redis-rs's `CLIENT SETINFO`
+//!   `CLIENT`. (Where the user may run `CONFIG GET`, [`LockClient::prepare`] reads the
+//!   eviction policy: see [Limits](#limits). It checks first and does not send it otherwise;
+//!   Redis 6 cannot check, and there a user without it has one refused `CONFIG GET` per
+//!   `prepare` in the ACL log.) The connections this crate opens do not send redis-rs's `CLIENT SETINFO`
 //!   (Valkey and Redis 7.2+ would log its refusal in the ACL log; Redis 7.0 does not know the
 //!   command). Connections you build yourself, and those redis-rs opens through Sentinel, still
 //!   send it and ignore the refusal: on Valkey or Redis 7.2+ add `+client|setinfo` to keep the
@@ -198,9 +223,13 @@
 //! [`LockClient::prepare`] loads them and runs one on the client's keys, and a refusal of both
 //! is a [`LockError::Config`] naming what was refused (`the Redis user may not run EVALSHA`,
 //! `the server does not offer SCRIPT LOAD`, `may not access the lock's keys`), instead of an
-//! error at the first acquisition. A command the scripts call that the user may not run shows
-//! up at the first operation that calls it, as a [`LockError::Redis`] carrying Redis's
-//! `NOPERM` message. `cargo run -p distlock --example acl -- PREFIX` prints the rules.
+//! error at the first acquisition. It also checks, without running any of them
+//! (`redis.acl_check_cmd`, Redis 7 and Valkey), every command the lock sends on the client's
+//! keys, and names the first one the user may not run (`the Redis user may not run HINCRBY on
+//! the lock's keys`) or the server does not offer. On Redis 6, which cannot check, such a
+//! command shows up at the first operation that sends it, as a [`LockError::Redis`] carrying
+//! Redis's refusal; an acquisition refused a command takes no lock either way.
+//! `cargo run -p distlock --example acl -- PREFIX` prints the rules.
 //!
 //! # Design decisions
 //!
@@ -262,6 +291,7 @@ mod refusal;
 pub mod sentinel;
 mod tls;
 mod token;
+mod warning;
 mod watchdog;
 
 pub use acl::{acl_rules, function_library};
@@ -278,3 +308,4 @@ pub use once::{Begin, Once, OnceGuard};
 pub use redact::redact_url;
 pub use tls::Tls;
 pub use token::{OwnerId, Token};
+pub use warning::StoreWarning;

@@ -50,7 +50,7 @@
 //! | key | type | holds | expiry |
 //! |---|---|---|---|
 //! | `prefix:{name}` | string | the holder's token | the lease |
-//! | `prefix:{name}:state` | hash | `n` the fencing counter (the current or last holder's fence; a new one starts from the writer's clock in microseconds, so a record begun again after it expired never repeats a fence), `m` the holder's tag while it holds, `d` a one-part record, `p` the part count of a complete streamed record, `c` the token that completed it | the retention |
+//! | `prefix:{name}:state` | hash | `n` the fencing counter (the current or last holder's fence; a new one starts from the writer's clock in microseconds, so a record begun again after it expired never repeats a fence), `m` the holder's tag while it holds, `d` a one-part record, `p` the part count of a complete streamed record, `c` the token that completed it, and on Redlock masters, for a record over 64 KiB, `l` its length and `h` its SHA-1 (which `begin` answers with instead of the record) | the retention |
 //! | `prefix:{name}:parts` | list | part *i* at index *i*: the parts of the holder writing, or of the complete streamed record; absent for one-part records | the retention |
 //! | `prefix:{name}:rel` | channel | a release or completion announces the token; an append announces `+` and the part's index | — |
 //!
@@ -107,7 +107,10 @@
 //! an append a quorum decision of its own. [`OnceGuard::append`], [`Once::parts`] and the
 //! waits return [`LockError::Unsupported`] without sending anything, and
 //! [`LockClient::supports_streaming`] is false, so a caller can fall back to whole records,
-//! which keep their quorum semantics (a record is replayed only when a quorum holds it).
+//! which keep their quorum semantics (a record is replayed only when a quorum holds it). A
+//! record must reach every master within the timeouts: one larger than
+//! [`LockClient::max_record_len`] is refused ([`LockError::TooLarge`]) before it is sent (see
+//! [the crate docs](crate#redlock)).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -1227,8 +1230,9 @@ impl OnceGuard {
     /// [`LockError::LeaseLost`] if the lock was not ours any more (nothing stored: another
     /// holder may be doing the work); [`LockError::Unavailable`] if the store could not be
     /// reached within the lease (the guard is then released on drop; a record may or may not
-    /// have been stored); [`LockError::TooLarge`] above [`MAX_PART_LEN`];
-    /// [`LockError::BrokenRecord`] if parts appended before are missing from the store.
+    /// have been stored); [`LockError::TooLarge`] above [`LockClient::max_record_len`]
+    /// ([`MAX_PART_LEN`], less on Redlock); [`LockError::BrokenRecord`] if parts appended before
+    /// are missing from the store.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -1245,7 +1249,7 @@ impl OnceGuard {
     /// Stores the record as [`complete`](Self::complete) does, but a completion the store
     /// refuses leaves this guard holding the lock: a record of parts the store no longer holds
     /// ([`LockError::BrokenRecord`]), a full in-memory store ([`LockError::Capacity`]), a record
-    /// above [`MAX_PART_LEN`], a script error. The work is done, so the caller can still say so:
+    /// above [`LockClient::max_record_len`], a script error. The work is done, so the caller can still say so:
     /// store another record in its place ([`complete_whole`](Self::complete_whole)) rather than
     /// release the lock and let the work run again. After a completion that stored the record
     /// or found the lock lost, the guard is spent; after any other error (the store out of
@@ -1291,6 +1295,14 @@ impl OnceGuard {
         let name = self.guard.name().to_owned();
         check_part(&name, record)?;
         let (backend, op) = (self.guard.backend(), self.guard.op());
+        let max = backend.max_record_len(self.guard.config());
+        if record.len() > max {
+            return Err(LockError::TooLarge {
+                name,
+                len: record.len(),
+                max,
+            });
+        }
         let stored = within_lease(&self.guard, "completion", || {
             backend.complete(op, record, appended)
         })

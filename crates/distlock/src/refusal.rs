@@ -1,6 +1,7 @@
 //! Refusals that retrying cannot fix, recognised when a client is prepared: a command the Redis
 //! user may not run (ACL) or the server does not offer (disabled or renamed), keys it may not
-//! access, and TLS handshakes that fail. They become a [`ConfigError`] that names the cause.
+//! access, and TLS handshakes that fail. They become a [`LockError::Config`] (a [`ConfigError`]
+//! inside) that names the cause: apart from `Held` and `Unavailable`, a configuration to fix.
 
 use std::error::Error as _;
 
@@ -8,9 +9,32 @@ use crate::{ConfigError, LockError};
 
 /// The commands the lock sends, for error messages (the full rule set is in the crate docs).
 pub(crate) const REQUIRED: &str = "EVALSHA and SCRIPT LOAD (or FCALL, with the function library \
-     loaded), and in scripts GET SET DEL PEXPIRE PTTL \
-     TYPE HGET HSET HDEL HEXISTS HINCRBY HLEN PUBLISH (plus SUBSCRIBE for notifications, WAIT for \
-     the replica check, ROLE for Sentinel, CLUSTER SLOTS for Cluster)";
+     loaded), and in scripts GET SET DEL PEXPIRE PTTL TYPE HGET HMGET HSET HDEL HEXISTS HINCRBY \
+     HLEN RPUSH LINDEX LLEN LRANGE PUBLISH (plus SUBSCRIBE for notifications, WAIT for the \
+     replica check, ROLE for Sentinel, CLUSTER SLOTS for Cluster)";
+
+/// The refusal `prepare` found without running anything: `command` (on the lock's keys) is
+/// not allowed to the Redis user, or (`known` false) not offered by the server.
+pub(crate) fn refused_command(store: &str, command: &str, known: bool) -> LockError {
+    let (field, reason) = if known {
+        (
+            "acl",
+            format!(
+                "the Redis user may not run {command} on the lock's keys; the lock needs \
+                 {REQUIRED}"
+            ),
+        )
+    } else {
+        (
+            "commands",
+            format!(
+                "the server does not offer {command} (disabled or renamed, as some managed \
+                 services do); the lock needs {REQUIRED}"
+            ),
+        )
+    };
+    LockError::Config(ConfigError::invalid(field, format!("{store}: {reason}")))
+}
 
 /// `error` as a [`LockError::Config`] when it is a refusal of that kind, else unchanged.
 pub(crate) fn explain(error: LockError, store: &str) -> LockError {

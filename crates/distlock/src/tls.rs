@@ -12,7 +12,8 @@
 //!
 //! A server whose certificate does not chain to the trusted roots, or whose name does not match
 //! the URL's host, fails the handshake: [`LockClient::prepare`](crate::LockClient::prepare)
-//! returns a [`ConfigError`] naming the TLS failure, and no lock waits on such a connection
+//! returns a [`LockError::Config`](crate::LockError::Config) naming the TLS failure, and no
+//! lock waits on such a connection
 //! longer than its command timeout. A server that refuses the client's certificate fails it
 //! too, seen as its alert or as a closed connection (TLS 1.3 sends the alert after the client
 //! finished its side of the handshake).

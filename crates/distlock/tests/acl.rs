@@ -190,6 +190,53 @@ async fn a_refused_command_is_named_when_the_client_is_prepared() {
     }
 }
 
+/// A user refused one of the commands the lock sends on its keys (the fencing draw `HINCRBY`,
+/// the lease's `PEXPIRE`, the run-once record's `HSET`, `HMGET` and `RPUSH`) is told at
+/// `prepare()`, which names the command, on one Redis and on Redlock (before: `prepare()`
+/// passed, the release script it ran needing none of them, and the first acquisition failed).
+/// Nothing is run to find out (`redis.acl_check_cmd`): the ACL log stays empty (with the
+/// function library loaded by an administrator, as the documented rules leave `FUNCTION LOAD`
+/// out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_command_of_the_lock_is_named_when_the_client_is_prepared() {
+    let server = RedisServer::start_owned().await;
+    let all = distlock::acl_rules("app");
+    let mut admin = server.connection().await;
+    let _: String = redis::cmd("FUNCTION")
+        .arg("LOAD")
+        .arg(distlock::function_library())
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let mut failures = Vec::new();
+    for command in ["HINCRBY", "PEXPIRE", "HSET", "HMGET", "RPUSH"] {
+        let user = format!("no{}", command.to_lowercase());
+        let rules = format!("{all} -{}", command.to_lowercase());
+        let url = server.acl_user(&user, &rules).await;
+        for redlock in [false, true] {
+            let builder = LockClient::builder().prefix("app").unwrap();
+            let c = if redlock {
+                builder.connect_redlock(&[url.as_str()]).unwrap()
+            } else {
+                builder.connect(&url).unwrap()
+            };
+            let case = format!("without {command}, redlock {redlock}");
+            match within("prepare", c.prepare()).await {
+                Err(LockError::Config(ConfigError::Invalid { field, reason }))
+                    if field == "acl" && reason.contains(command) => {}
+                other => failures.push(format!("{case}: {other:?}")),
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+    let log: Vec<redis::Value> = redis::cmd("ACL")
+        .arg("LOG")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(log.is_empty(), "prepare ran a refused command: {log:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_without_the_script_commands_is_named_when_the_client_is_prepared() {
     // As managed services that disable scripting do: the commands are gone (renamed away).
@@ -207,6 +254,24 @@ async fn a_server_without_the_script_commands_is_named_when_the_client_is_prepar
     let (field, reason) = refusal(within("prepare", c.prepare()).await);
     assert_eq!(field, "commands", "{reason}");
     assert!(reason.contains("EVALSHA"), "{reason}");
+}
+
+/// A server that renamed away a command the lock's scripts call (here `HINCRBY`, the fencing
+/// draw) is named when the client is prepared (before: `prepare()` passed, and every fenced
+/// acquisition failed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_without_a_command_the_scripts_call_is_named_when_the_client_is_prepared() {
+    let server = RedisServer::start_with(
+        ServerOptions::default()
+            .arg("--rename-command")
+            .arg("HINCRBY")
+            .arg(""),
+    )
+    .await;
+    let c = client(&server.url(), "app", LockConfig::default());
+    let (field, reason) = refusal(within("prepare", c.prepare()).await);
+    assert_eq!(field, "commands", "{reason}");
+    assert!(reason.contains("HINCRBY"), "{reason}");
 }
 
 /// The documented rules are all the lock's connections use: nothing they send is refused, so

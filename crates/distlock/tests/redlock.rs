@@ -1140,3 +1140,190 @@ async fn rollbacks_do_not_make_waiters_spin() {
             .unwrap();
     }
 }
+
+/// Every call of the large-record tests has this deadline.
+const LARGE_DEADLINE: Duration = Duration::from_secs(20);
+
+async fn within<T>(what: &str, future: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(LARGE_DEADLINE, future)
+        .await
+        .unwrap_or_else(|_| panic!("waited {LARGE_DEADLINE:?} for: {what}"))
+}
+
+/// The masters, each behind a proxy that carries `rate` bytes a second each way.
+async fn slow_links(n: &[RedisServer], rate: u64) -> Vec<testkit::FaultProxy> {
+    let mut proxies = Vec::new();
+    for node in n {
+        let proxy = testkit::FaultProxy::start(node).await;
+        proxy.limit_bandwidth(rate);
+        proxies.push(proxy);
+    }
+    proxies
+}
+
+async fn through(proxies: &[testkit::FaultProxy], prefix: &str) -> LockClient {
+    let urls: Vec<String> = proxies.iter().map(testkit::FaultProxy::url).collect();
+    let config = LockConfig::builder()
+        .lease(ms(4_000))
+        .op_timeout(ms(1_000))
+        .build()
+        .unwrap();
+    let client = LockClient::builder()
+        .config(config)
+        .prefix(prefix)
+        .unwrap()
+        .node_timeout(ms(70))
+        .connect_redlock(&urls)
+        .unwrap();
+    within("prepare", client.prepare())
+        .await
+        .expect("every master answers through its proxy");
+    client
+}
+
+fn large_record(len: u32) -> Vec<u8> {
+    (0..len).map(|i| (i % 251) as u8).collect()
+}
+
+/// A record larger than the node timeout can carry is completed and read back whole. Each
+/// master's link carries 32 MiB/s: the 4 MiB record takes about 125 ms to reach a master or
+/// come back from one, well past the node timeout of 70 ms (before: the completion stored it
+/// on every master and still returned `NoQuorum`, each master's answer coming after the node
+/// timeout, retried until the lease was lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_record_is_completed_and_read_back_on_slow_links() {
+    let n = nodes(3, false).await;
+    let proxies = slow_links(&n, 32 << 20).await;
+    let prefix = testkit::unique_prefix("rl-large");
+    let client = through(&proxies, &prefix).await;
+    let once = client.once("big").unwrap();
+    let record = large_record(4 << 20);
+    let distlock::Begin::Acquired(writer) = within("begin", once.begin("t")).await.unwrap() else {
+        panic!("a fresh name is free")
+    };
+    within("complete", writer.complete(&record))
+        .await
+        .expect("a quorum stored the record");
+    for node in &n {
+        let mut c = node.connection().await;
+        let (stored, len): (Vec<u8>, usize) = redis::cmd("HMGET")
+            .arg(once.name().state_key())
+            .arg("d")
+            .arg("l")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        assert!(stored == record, "the record on every master");
+        assert_eq!(
+            len,
+            record.len(),
+            "stored with its size, for begin to name it"
+        );
+    }
+    let reader = through(&proxies, &prefix).await;
+    match within("replay", reader.once("big").unwrap().begin("t"))
+        .await
+        .unwrap()
+    {
+        distlock::Begin::Done(r) => {
+            let whole = r.whole().expect("a record written whole");
+            assert!(whole[..] == record[..], "read back byte for byte");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A large record stored on every master as an earlier version's completion left it (without
+/// its size and digest) is replayed through links of 16 MiB/s, where the 2 MiB record takes
+/// about 125 ms to come back from a master (before: every `begin` timed out on every master,
+/// its answer carrying the record, for the whole retention).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_stored_record_is_replayed_on_slow_links() {
+    let n = nodes(3, false).await;
+    let proxies = slow_links(&n, 16 << 20).await;
+    let prefix = testkit::unique_prefix("rl-large-stored");
+    let client = through(&proxies, &prefix).await;
+    let once = client.once("big").unwrap();
+    let record = large_record(2 << 20);
+    for node in &n {
+        let mut c = node.connection().await;
+        let () = redis::cmd("HSET")
+            .arg(once.name().state_key())
+            .arg("n")
+            .arg(7)
+            .arg("d")
+            .arg(&record)
+            .arg("c")
+            .arg("the-writers-token")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    }
+    for _ in 0..3 {
+        match within("replay", once.begin("t")).await.unwrap() {
+            distlock::Begin::Done(r) => {
+                let whole = r.whole().expect("a record written whole");
+                assert!(whole[..] == record[..], "read back byte for byte");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+/// On Redlock a record must reach every master within the timeouts: larger than
+/// `max_record_len` (what the assumed slowest link, 10 MiB/s, carries in the command timeout
+/// less two node timeouts) it is refused before anything is sent, and the guard, still holding
+/// the lock, can store a smaller record in its place. Other stores take up to `MAX_PART_LEN`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_over_what_redlock_carries_is_refused_before_it_is_sent() {
+    let n = nodes(3, false).await;
+    let prefix = testkit::unique_prefix("rl-too-large");
+    let config = LockConfig::builder()
+        .lease(ms(4_000))
+        .op_timeout(ms(1_000))
+        .build()
+        .unwrap();
+    let client = redlock_with(&n, &prefix, config, ms(70)).await;
+    let max = client.max_record_len();
+    assert_eq!(
+        max,
+        (0.86 * f64::from(10u32 << 20)) as usize,
+        "860 ms at 10 MiB/s"
+    );
+    assert_eq!(
+        LockClient::memory().max_record_len(),
+        distlock::once::MAX_PART_LEN
+    );
+    let once = client.once("big").unwrap();
+    let distlock::Begin::Acquired(mut writer) = within("begin", once.begin("t")).await.unwrap()
+    else {
+        panic!("a fresh name is free")
+    };
+    let before: Vec<u64> = {
+        let mut calls = Vec::new();
+        for node in &n {
+            calls.push(node.script_calls().await);
+        }
+        calls
+    };
+    let record = vec![1u8; max + 1];
+    match within("complete", writer.try_complete(&record)).await {
+        Err(LockError::TooLarge {
+            len, max: limit, ..
+        }) => assert_eq!((len, limit), (max + 1, max)),
+        other => panic!("{other:?}"),
+    }
+    for (node, before) in n.iter().zip(before) {
+        assert_eq!(node.script_calls().await, before, "nothing sent");
+    }
+    assert!(writer.guard().is_held(), "the guard still holds the lock");
+    within("complete", writer.complete_whole(b"too large to keep"))
+        .await
+        .unwrap();
+    match within("replay", once.begin("t")).await.unwrap() {
+        distlock::Begin::Done(r) => {
+            assert_eq!(r.whole().map(|w| &w[..]), Some(&b"too large to keep"[..]))
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -7,7 +7,8 @@
 //! * [`History`] and [`check`]: record critical sections (in memory or in a file shared by several
 //!   processes) and prove there was never more than one holder and fencing tokens only grew.
 //! * [`FaultProxy`]: a TCP proxy between a client and Redis that delays replies, holds them back
-//!   from one that matches, drops a reply after its command ran, or black-holes connections.
+//!   from one that matches, limits the bandwidth (a slow link), drops a reply after its command
+//!   ran, or black-holes connections.
 //! * [`TestCa`] and [`ServerOptions::tls`]: a CA with server and client certificates, and a
 //!   `redis-server` serving TLS with them (mutual TLS optional).
 //! * [`RedisServer::acl_user`]: a least-privilege ACL user and the URL that logs in as it.

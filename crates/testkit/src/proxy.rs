@@ -1,7 +1,9 @@
 //! A TCP fault proxy between a client and Redis: it forwards bytes both ways, and on request
 //! delays the server's replies, holds back the replies of a connection from one that matches,
-//! drops a reply after the command ran (and cuts the connection, as a network failure would),
-//! or black-holes connections (nothing passes either way, the sockets stay open). Commands always reach the server unless the connection is black-holed:
+//! limits the bandwidth of each connection (a slow link), drops a reply after the command ran
+//! (and cuts the connection, as a network failure would), or black-holes connections (nothing
+//! passes either way, the sockets stay open). Commands always reach the server unless the
+//! connection is black-holed:
 //! a dropped or late reply means a command whose outcome the client cannot know.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -27,6 +29,8 @@ struct Faults {
     /// A reply chunk containing these bytes, and every later one of its connection, is held
     /// back until the hold ends.
     hold: Option<Vec<u8>>,
+    /// Bytes per second each connection forwards in each direction (0: no limit).
+    bandwidth: u64,
 }
 
 #[derive(Debug, Default)]
@@ -53,6 +57,7 @@ struct Shared {
 /// let server = testkit::RedisServer::start_owned().await;
 /// let proxy = testkit::FaultProxy::start(&server).await;
 /// proxy.delay_replies(std::time::Duration::from_millis(200)); // every reply 200 ms late
+/// proxy.limit_bandwidth(4 << 20); // 4 MiB/s each way, per connection
 /// proxy.drop_next_replies(1); // the next reply is lost, its connection cut
 /// proxy.blackhole(true); // nothing passes, the sockets stay open
 /// proxy.heal();
@@ -118,6 +123,14 @@ impl FaultProxy {
     pub fn hold_replies_from(&self, needle: &[u8]) {
         assert!(!needle.is_empty(), "hold_replies_from: an empty needle");
         self.faults().hold = Some(needle.to_vec());
+    }
+
+    /// Limits every connection to `bytes_per_second` in each direction (commands and replies
+    /// alike), as a slow link would: bytes are forwarded as they come, paced so that none
+    /// passes sooner than the rate allows. Zero ends it.
+    pub fn limit_bandwidth(&self, bytes_per_second: u64) {
+        self.faults().bandwidth = bytes_per_second;
+        self.shared.changed.notify_waiters();
     }
 
     /// Drops the next `n` replies after their commands ran, cutting each such connection.
@@ -220,11 +233,13 @@ async fn pump(client: TcpStream, server: TcpStream, shared: Arc<Shared>, id: usi
         let cutting = cutting.clone();
         async move {
             let mut buf = vec![0u8; 16 * 1024];
+            let mut pace = Pace::default();
             loop {
                 let n = match client_read.read(&mut buf).await {
                     Ok(0) | Err(_) => return,
                     Ok(n) => n,
                 };
+                pace.wait(&shared, n).await;
                 wait_while_blackholed(&shared, id).await;
                 if cutting.load(Ordering::SeqCst) {
                     std::future::pending::<()>().await;
@@ -284,11 +299,13 @@ async fn pump(client: TcpStream, server: TcpStream, shared: Arc<Shared>, id: usi
     let to_client = {
         let shared = shared.clone();
         async move {
+            let mut pace = Pace::default();
             while let Some((due, bytes, cut, held)) = queued.recv().await {
                 tokio::time::sleep_until(due).await;
                 if held {
                     wait_while_held(&shared).await;
                 }
+                pace.wait(&shared, bytes.len()).await;
                 wait_while_blackholed(&shared, id).await;
                 if client_write.write_all(&bytes).await.is_err() || cut {
                     let _ = client_write.flush().await;
@@ -313,6 +330,35 @@ async fn wait_while_held(shared: &Shared) {
             return;
         }
         changed.await;
+    }
+}
+
+/// The pacing of one direction of one connection under [`FaultProxy::limit_bandwidth`]: when
+/// the bytes forwarded so far are due at the rate.
+#[derive(Debug, Default)]
+struct Pace {
+    free_at: Option<tokio::time::Instant>,
+}
+
+impl Pace {
+    /// Waits until `n` more bytes may pass at the current rate (at once without a limit).
+    async fn wait(&mut self, shared: &Shared, n: usize) {
+        let rate = shared.faults.lock().unwrap().bandwidth;
+        if rate == 0 {
+            self.free_at = None;
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        // From where the bytes before left off, so that timer rounding (a sleep ends up to a
+        // millisecond late) does not add up over a long transfer; from now after a pause.
+        let start = match self.free_at {
+            Some(free) if free + Duration::from_millis(5) >= now => free,
+            _ => now,
+        };
+        let takes = Duration::from_secs_f64(n as f64 / rate as f64);
+        let due = start + takes;
+        self.free_at = Some(due);
+        tokio::time::sleep_until(due).await;
     }
 }
 
@@ -472,5 +518,64 @@ mod tests {
             .expect("the held replies pass once the hold ends")
             .unwrap();
         assert_eq!(value, "1");
+    }
+
+    /// With the bandwidth limited, a large value takes its size over the rate to go through
+    /// the proxy, in each direction; without the limit it passes at once.
+    #[tokio::test]
+    async fn a_limited_bandwidth_paces_commands_and_replies() {
+        let server = crate::RedisServer::start_owned().await;
+        let proxy = FaultProxy::start(&server).await;
+        let mut c = conn(&proxy).await;
+        let value = vec![7u8; 256 * 1024];
+        let timed = |what: &'static str, took: Result<Duration, tokio::time::error::Elapsed>| {
+            took.unwrap_or_else(|_| panic!("{what} did not pass within 10 s"))
+        };
+        proxy.limit_bandwidth(1 << 20);
+        let started = std::time::Instant::now();
+        let sent = tokio::time::timeout(Duration::from_secs(10), async {
+            let () = redis::cmd("SET")
+                .arg("big")
+                .arg(&value)
+                .query_async(&mut c)
+                .await
+                .unwrap();
+            started.elapsed()
+        })
+        .await;
+        let sent = timed("the command", sent);
+        assert!(
+            sent >= Duration::from_millis(240),
+            "256 KiB at 1 MiB/s in {sent:?}"
+        );
+        let started = std::time::Instant::now();
+        let read = tokio::time::timeout(Duration::from_secs(10), async {
+            let read: Vec<u8> = redis::cmd("GET")
+                .arg("big")
+                .query_async(&mut c)
+                .await
+                .unwrap();
+            assert_eq!(read, value);
+            started.elapsed()
+        })
+        .await;
+        let read = timed("the reply", read);
+        assert!(
+            read >= Duration::from_millis(240),
+            "256 KiB at 1 MiB/s in {read:?}"
+        );
+        proxy.heal();
+        let started = std::time::Instant::now();
+        let read: Vec<u8> = redis::cmd("GET")
+            .arg("big")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        assert_eq!(read.len(), value.len());
+        assert!(
+            started.elapsed() < Duration::from_millis(200),
+            "no limit after heal: {:?}",
+            started.elapsed()
+        );
     }
 }

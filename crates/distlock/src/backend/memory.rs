@@ -974,8 +974,11 @@ impl Backend for MemoryBackend {
         Some(self.limits)
     }
 
-    fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>> {
-        Box::pin(std::future::ready(Ok(())))
+    fn prepare<'a>(
+        &'a self,
+        _probe: &'a LockName,
+    ) -> BoxFuture<'a, Result<Vec<crate::StoreWarning>, LockError>> {
+        Box::pin(std::future::ready(Ok(Vec::new())))
     }
 
     fn waiters(&self) -> &Arc<Waiters> {

@@ -235,6 +235,13 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
     fn memory_limits(&self) -> Option<MemoryLimits> {
         None
     }
+    /// The largest record (a part, or a record written whole) locks with `config` store:
+    /// [`MAX_PART_LEN`](crate::once::MAX_PART_LEN), or less where a record must travel within a
+    /// timeout (Redlock).
+    fn max_record_len(&self, config: &crate::LockConfig) -> usize {
+        let _ = config;
+        crate::once::MAX_PART_LEN
+    }
     /// The error of a streaming operation this store does not offer.
     fn unsupported(&self, name: &LockName, operation: &'static str) -> LockError {
         LockError::Unsupported {
@@ -244,8 +251,13 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
         }
     }
     /// Connects and loads whatever the operations need, so the first real operation does not
-    /// pay for it.
-    fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>>;
+    /// pay for it, and checks that the store lets the lock do its work on the keys of `probe`
+    /// (a lock of the client's prefix): a refusal is a [`LockError::Config`] naming it. Returns
+    /// what it found that weakens a promise (an evicting Redis).
+    fn prepare<'a>(
+        &'a self,
+        probe: &'a LockName,
+    ) -> BoxFuture<'a, Result<Vec<crate::StoreWarning>, LockError>>;
     /// Where waiters register for release notifications.
     fn waiters(&self) -> &Arc<waiters::Waiters>;
     /// Whether a failed attempt is rolled back on the nodes it won (Redlock), announcing a

@@ -256,9 +256,10 @@ async fn leases_on_redis_follow_the_model() {
         let backend =
             super::redis::RedisBackend::new(conn, super::waiters::Waiters::local(), "redis".into())
                 .with_pipelined_fences(pipelined);
-        backend.prepare().await.unwrap();
-        let seed = seed();
         let name = testkit::unique_prefix("model");
+        let probe = crate::LockName::new(&name, "prepare").unwrap();
+        backend.prepare(&probe).await.unwrap();
+        let seed = seed();
         // Real time: a promise counts as kept or broken only 15 ms away from it (scheduling,
         // loopback, Redis's whole milliseconds).
         run(

@@ -48,6 +48,17 @@
 //!   record. A holder whose lease ran out on most nodes may still store its record on a few (it
 //!   is told `LeaseLost`); that minority record is never replayed, and the next holder's record,
 //!   stored on a quorum, is the one every reader gets.
+//! * **Records and timeouts.** A record is carried to (or from) a node within the node timeout
+//!   plus its size at [`MIN_BANDWIDTH`] ([`RedlockBackend::carrying`]): a completion gets that
+//!   time on every node. (With the node timeout alone, a record larger than the node timeout
+//!   could carry was stored on every node and reported as no quorum, and every later `begin`
+//!   timed out on every node for the whole retention.) A `begin` must not wait that long for
+//!   every node (a frozen node would cost every acquisition as much), so a node sends a record
+//!   with its answer only up to [`INLINE_RECORD`] (less with a short node timeout), and names a
+//!   larger one by its size and SHA-1, which the completion stored with it: the quorum is
+//!   decided on those, and the record is then read from one node that holds it, with the
+//!   time to carry it, checked against its digest there (`record.lua`). A record is accepted
+//!   only if both fit in the command timeout (`Backend::max_record_len`).
 //! * **Streamed records are not supported**: `append` and `parts` answer
 //!   `LockError::Unsupported` without sending anything (the trait's default), and
 //!   `supports_streaming` is false. A reader would need a quorum read of every part, and a
@@ -67,10 +78,21 @@ use futures_util::StreamExt;
 use futures_util::future::join_all;
 use futures_util::stream::FuturesUnordered;
 
-use super::redis::{Conn, RedisBackend};
+use super::redis::{Conn, NodeAttempt, RedisBackend};
 use super::waiters::Waiters;
 use super::{Attempt, Backend, BoxFuture, Mode, Op};
 use crate::LockError;
+use crate::once::{MAX_PART_LEN, Record};
+
+/// The slowest link to a master Redlock plans for, in bytes per second (each master has its
+/// own): an operation that carries `n` bytes (a record sent to be stored, or read back) is given
+/// the node timeout plus `n` at this rate ([`RedlockBackend::carrying`]).
+const MIN_BANDWIDTH: u64 = 10 << 20;
+
+/// A one-part record up to this size comes back with `begin`'s answer (at most a quarter of the
+/// node timeout at [`MIN_BANDWIDTH`]); a larger one is named by its size and digest and read from
+/// one master with a timeout of its own.
+const INLINE_RECORD: usize = 64 << 10;
 
 pub(crate) struct RedlockBackend<C> {
     nodes: Vec<RedisBackend<C>>,
@@ -118,6 +140,11 @@ impl<C: Conn> RedlockBackend<C> {
         describe: String,
     ) -> Self {
         let quorum = nodes.len() / 2 + 1;
+        let inline = bytes_within(node_timeout / 4).min(INLINE_RECORD);
+        let nodes = nodes
+            .into_iter()
+            .map(|node| node.with_inline_records(inline))
+            .collect();
         RedlockBackend {
             nodes,
             quorum,
@@ -132,7 +159,21 @@ impl<C: Conn> RedlockBackend<C> {
     where
         F: Fn(&'a RedisBackend<C>) -> BoxFuture<'a, Result<T, LockError>>,
     {
-        let timeout = self.node_timeout;
+        self.fanout_within(op, self.node_timeout, f).await
+    }
+
+    /// The time one master is given for an operation that carries `bytes` (a record sent or
+    /// read): the node timeout, plus the bytes at [`MIN_BANDWIDTH`].
+    fn carrying(&self, bytes: usize) -> Duration {
+        self.node_timeout
+            .saturating_add(Duration::from_secs_f64(bytes as f64 / MIN_BANDWIDTH as f64))
+    }
+
+    /// Runs `f` on every node at once, each bounded by `timeout`.
+    async fn fanout_within<'a, T, F>(&'a self, op: &Op, timeout: Duration, f: F) -> Fanout<T>
+    where
+        F: Fn(&'a RedisBackend<C>) -> BoxFuture<'a, Result<T, LockError>>,
+    {
         let name = op.name.as_str();
         let results = join_all(self.nodes.iter().map(|node| {
             let call = f(node);
@@ -213,20 +254,63 @@ impl<C: Conn> RedlockBackend<C> {
         });
     }
 
+    /// Reads the record of `len` bytes named by `digest` from the first of `holders` that still
+    /// has it, each given the time to carry it ([`carrying`](Self::carrying)).
+    async fn read_record(
+        &self,
+        op: &Op,
+        len: u64,
+        digest: &str,
+        holders: &[usize],
+    ) -> Result<Record, LockError> {
+        let name = op.name.as_str();
+        let timeout = self.carrying(usize::try_from(len).unwrap_or(usize::MAX));
+        let mut source = None;
+        for &node in holders {
+            let read = tokio::time::timeout(timeout, self.nodes[node].record(&op.name, digest));
+            let error = match read.await {
+                Ok(Ok(Some(record))) if record.len() as u64 == len => {
+                    return Ok(Record::new(record, 1));
+                }
+                // Gone since the first look (expired), or another record there now.
+                Ok(Ok(_)) => continue,
+                Ok(Err(error)) => error,
+                Err(_) => LockError::timeout(name, false, timeout),
+            };
+            match error {
+                LockError::Unavailable { source: s, .. } | LockError::Redis { source: s, .. } => {
+                    source = Some(s);
+                }
+                other => return Err(other),
+            }
+        }
+        Err(self.no_quorum(op, 0, source))
+    }
+
     async fn acquire_quorum(&self, op: &Op) -> Result<Attempt, LockError> {
         let started = crate::clock::now();
-        let mut fanout = self.fanout(op, |node| node.acquire(op)).await;
+        let mut fanout = self.fanout(op, |node| node.acquire_node(op)).await;
         // (node, the fence it drew) for every node that took the lock.
         let mut fences: Vec<(usize, u64)> = Vec::new();
         let mut held_ttl: Option<Duration> = None;
         let mut tag = None;
         let mut holder_fence = 0;
-        let mut records: Vec<&crate::once::Record> = Vec::new();
+        let mut records: Vec<&Record> = Vec::new();
+        // (node, size, digest) of every large record named instead of sent.
+        let mut large: Vec<(usize, u64, &str)> = Vec::new();
         for (node, result) in fanout.results.iter().enumerate() {
-            match result {
-                Ok(Attempt::Held {
+            let attempt = match result {
+                Ok(NodeAttempt::Attempt(attempt)) => attempt,
+                Ok(NodeAttempt::Large { len, digest }) => {
+                    large.push((node, *len, digest));
+                    continue;
+                }
+                Err(_) => continue,
+            };
+            match attempt {
+                Attempt::Held {
                     ttl, tag: t, fence, ..
-                }) => {
+                } => {
                     holder_fence = holder_fence.max(*fence);
                     if let Some(ttl) = ttl {
                         held_ttl = Some(held_ttl.map_or(*ttl, |h: Duration| h.min(*ttl)));
@@ -235,9 +319,8 @@ impl<C: Conn> RedlockBackend<C> {
                         tag.clone_from(t);
                     }
                 }
-                Ok(Attempt::Acquired { fence }) => fences.push((node, *fence)),
-                Ok(Attempt::Done { record }) => records.push(record),
-                Err(_) => {}
+                Attempt::Acquired { fence } => fences.push((node, *fence)),
+                Attempt::Done { record } => records.push(record),
             }
         }
         // "Done" is a quorum decision too: a record counts only when a quorum of nodes hold the
@@ -253,6 +336,32 @@ impl<C: Conn> RedlockBackend<C> {
                 self.release_all(op).await;
             }
             return Ok(Attempt::Done { record });
+        }
+        // The same for a large record, named by its size and digest: decided the same way, then
+        // read from one of the masters that hold it, with a timeout for its size.
+        let named = large
+            .iter()
+            .find(|&&(_, len, digest)| {
+                large
+                    .iter()
+                    .filter(|&&(_, l, d)| l == len && d == digest)
+                    .count()
+                    >= self.quorum
+            })
+            .map(|&(_, len, digest)| (len, digest));
+        if let Some((len, digest)) = named {
+            let holders: Vec<usize> = large
+                .iter()
+                .filter(|&&(_, l, d)| l == len && d == digest)
+                .map(|&(node, _, _)| node)
+                .collect();
+            let rollback = async {
+                if !fences.is_empty() {
+                    self.release_all(op).await;
+                }
+            };
+            let (read, ()) = tokio::join!(self.read_record(op, len, digest, &holders), rollback);
+            return read.map(|record| Attempt::Done { record });
         }
         // Run-once and reentrant locks always fence, whatever `fencing` says.
         let fenced = op.fencing || !matches!(op.mode, Mode::Exclusive);
@@ -361,35 +470,50 @@ impl<C: Conn> Backend for RedlockBackend<C> {
         appended: u64,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
+            let timeout = self.carrying(record.len());
             let fanout = self
-                .fanout(op, |node| node.complete(op, record, appended))
+                .fanout_within(op, timeout, |node| node.complete(op, record, appended))
                 .await;
             self.decide(op, fanout)
         })
     }
 
-    fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>> {
+    fn prepare<'a>(
+        &'a self,
+        probe: &'a crate::LockName,
+    ) -> BoxFuture<'a, Result<Vec<crate::StoreWarning>, LockError>> {
         Box::pin(async move {
             // All nodes at once, done as soon as a quorum is ready: a frozen or slow node must
             // not hold up a fresh client. The others join when they answer (they connect
             // lazily, and load the scripts on first use).
             let mut pending: FuturesUnordered<_> =
-                self.nodes.iter().map(RedisBackend::prepare).collect();
-            let (mut ok, mut source) = (0, None);
+                self.nodes.iter().map(|node| node.prepare(probe)).collect();
+            let (mut ok, mut source, mut refused) = (0, None, None);
+            // What the masters ready so far found (those that answer later are not waited for).
+            let mut warnings = Vec::new();
             while let Some(result) = pending.next().await {
                 match result {
-                    Ok(()) => ok += 1,
+                    Ok(found) => {
+                        ok += 1;
+                        warnings.extend(found);
+                    }
                     Err(
                         LockError::Unavailable { source: s, .. }
                         | LockError::Redis { source: s, .. },
                     ) => {
                         source = Some(s);
                     }
+                    // A master refuses what the lock needs (the same ACL rules on every master,
+                    // as a rule): said as such when it costs the quorum.
+                    Err(error @ LockError::Config(_)) => refused = Some(error),
                     Err(_) => {}
                 }
                 if ok >= self.quorum {
-                    return Ok(());
+                    return Ok(warnings);
                 }
+            }
+            if let Some(refused) = refused {
+                return Err(refused);
             }
             Err(LockError::NoQuorum {
                 name: "(scripts)".into(),
@@ -413,6 +537,16 @@ impl<C: Conn> Backend for RedlockBackend<C> {
         self.describe.clone()
     }
 
+    fn max_record_len(&self, config: &crate::LockConfig) -> usize {
+        // A completion of n bytes is given `carrying(n)` per master, within one command
+        // timeout; a `begin` that finds it spends a node timeout on the first look, then
+        // `carrying(n)` reading it: both within the command timeout.
+        let room = config
+            .op_timeout()
+            .saturating_sub(self.node_timeout.saturating_mul(2));
+        bytes_within(room).min(MAX_PART_LEN)
+    }
+
     fn check_config(&self, config: &crate::LockConfig) -> Result<(), crate::ConfigError> {
         let op_timeout = config.op_timeout();
         // (Divided, not multiplied: a timeout near `Duration::MAX` is refused, not an overflow.)
@@ -427,4 +561,11 @@ impl<C: Conn> Backend for RedlockBackend<C> {
         }
         Ok(())
     }
+}
+
+/// The bytes a link at [`MIN_BANDWIDTH`] carries in `time`.
+fn bytes_within(time: Duration) -> usize {
+    let bytes = time.as_secs_f64() * MIN_BANDWIDTH as f64;
+    // (`as` saturates.)
+    bytes as usize
 }

@@ -4,6 +4,7 @@
 //! commands where they do (`RedisBackend::acquire_plain`); generic over any
 //! `redis::aio::ConnectionLike` that can be cloned (multiplexed, managed or cluster connections).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,7 +15,7 @@ use redis::aio::ConnectionLike;
 use super::waiters::Waiters;
 use super::{Appended, Attempt, Backend, BoxFuture, Mode, Op, millis};
 use crate::once::{Parts, Record, RecordState};
-use crate::{LockError, LockName};
+use crate::{LockError, LockName, StoreWarning};
 
 mod call;
 mod notify;
@@ -41,6 +42,9 @@ pub(crate) struct RedisBackend<C> {
     /// (one Redis, Cluster, Sentinel) or in the acquisition script (Redlock nodes, whose
     /// fences [`crate::backend::redlock`] combines).
     pipelined_fences: bool,
+    /// (Redlock masters) The largest one-part record `begin` sends with its answer; a larger
+    /// one is named by its size and digest, and read with [`RedisBackend::record`].
+    inline_records: Option<usize>,
 }
 
 impl<C> std::fmt::Debug for RedisBackend<C> {
@@ -60,6 +64,7 @@ impl<C: Conn> RedisBackend<C> {
             replicas: None,
             calls: Arc::default(),
             pipelined_fences: false,
+            inline_records: None,
         }
     }
 
@@ -78,6 +83,25 @@ impl<C: Conn> RedisBackend<C> {
         self.pipelined_fences = on;
         self
     }
+
+    /// (Redlock masters) `begin` answers with the size and digest of a one-part record longer
+    /// than `bytes` ([`NodeAttempt::Large`]) instead of the record: a large record then costs
+    /// one master's transfer, with a timeout of its own, not every master's within the node
+    /// timeout.
+    pub(crate) fn with_inline_records(mut self, bytes: usize) -> Self {
+        self.inline_records = Some(bytes);
+        self
+    }
+}
+
+/// What one master answered to an acquisition attempt.
+#[derive(Debug)]
+pub(crate) enum NodeAttempt {
+    /// The answer of [`Backend::acquire`].
+    Attempt(Attempt),
+    /// (Redlock masters) A one-part completion record too large to come with the answer: its
+    /// size and SHA-1 (hex).
+    Large { len: u64, digest: String },
 }
 
 fn int(v: &Value) -> Option<i64> {
@@ -166,6 +190,76 @@ pub(crate) fn parse_attempt(name: &str, reply: Value) -> Result<Attempt, LockErr
         }
         other => Err(bad(&format!("unknown status {other}"))),
     }
+}
+
+/// Parses the reply of `begin.lua`: [`parse_attempt`]'s replies, or `{3, length, digest}` for
+/// a record named instead of sent.
+fn parse_begin(name: &str, reply: Value) -> Result<NodeAttempt, LockError> {
+    if let Value::Array(items) = &reply
+        && items.first().and_then(int) == Some(3)
+    {
+        let bad = |detail: &str| LockError::protocol(name, format!("begin: {detail}"));
+        let [_, len, digest] =
+            <&[Value; 3]>::try_from(&items[..]).map_err(|_| bad("not three items"))?;
+        let len = int(len)
+            .and_then(|n| u64::try_from(n).ok())
+            .ok_or_else(|| bad("bad record length"))?;
+        let digest = bytes(digest.clone())
+            .and_then(|d| String::from_utf8(d.to_vec()).ok())
+            .ok_or_else(|| bad("bad record digest"))?;
+        return Ok(NodeAttempt::Large { len, digest });
+    }
+    parse_attempt(name, reply).map(NodeAttempt::Attempt)
+}
+
+/// What `check.lua` found.
+#[derive(Debug, PartialEq, Eq)]
+struct Checked {
+    /// The first command refused, and whether the server knows it (else it does not offer
+    /// it); `None` when none is (or the server cannot tell).
+    refused: Option<(String, bool)>,
+    /// Whether the user may run `CONFIG GET`; `None` when the server cannot tell.
+    config: Option<bool>,
+}
+
+/// Parses the reply of `check.lua`: `{command, why, config}`.
+fn parse_check(name: &str, reply: Value) -> Result<Checked, LockError> {
+    let bad = || LockError::protocol(name, format!("check: unexpected reply {reply:?}"));
+    let Value::Array(items) = &reply else {
+        return Err(bad());
+    };
+    let text = |v: &Value| bytes(v.clone()).and_then(|b| String::from_utf8(b.to_vec()).ok());
+    let (Some(command), Some(why), Some(config)) = (
+        items.first().and_then(text),
+        items.get(1).and_then(text),
+        items.get(2).and_then(int),
+    ) else {
+        return Err(bad());
+    };
+    Ok(Checked {
+        refused: (!command.is_empty()).then(|| (command, why != "unknown")),
+        config: match config {
+            -1 => None,
+            allowed => Some(allowed == 1),
+        },
+    })
+}
+
+/// The warning about a server's eviction policy, from what `CONFIG GET maxmemory*` answered:
+/// none for `noeviction` (or no policy in the answer).
+fn eviction_warning(store: &str, config: &HashMap<String, String>) -> Option<StoreWarning> {
+    let policy = config.get("maxmemory-policy")?;
+    if policy.eq_ignore_ascii_case("noeviction") {
+        return None;
+    }
+    Some(StoreWarning::Eviction {
+        store: store.to_owned(),
+        policy: policy.clone(),
+        maxmemory: config
+            .get("maxmemory")
+            .and_then(|m| m.parse().ok())
+            .unwrap_or(0),
+    })
 }
 
 /// Parses the reply of `parts.lua`: `{state, fence, parts, stored, pttl, {part, ...}}`.
@@ -548,10 +642,14 @@ impl<C: Conn> RedisBackend<C> {
             parse_flag(name.as_str(), "fence_sync", reply)
         }
     }
-}
 
-impl<C: Conn> Backend for RedisBackend<C> {
-    fn acquire<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<Attempt, LockError>> {
+    /// An acquisition attempt ([`Backend::acquire`]); a Redlock master
+    /// ([`with_inline_records`](Self::with_inline_records)) may answer with a record's size
+    /// and digest instead of a large record.
+    pub(crate) fn acquire_node<'a>(
+        &'a self,
+        op: &'a Op,
+    ) -> BoxFuture<'a, Result<NodeAttempt, LockError>> {
         Box::pin(async move {
             let keys = [op.name.lock_key(), op.name.state_key()];
             let name = op.name.as_str();
@@ -559,7 +657,7 @@ impl<C: Conn> Backend for RedisBackend<C> {
                 Mode::Exclusive
                     if (!op.fencing || self.pipelined_fences) && self.replicas.is_none() =>
                 {
-                    (self.acquire_plain(op).await?, None)
+                    (NodeAttempt::Attempt(self.acquire_plain(op).await?), None)
                 }
                 Mode::Exclusive => {
                     let mut call = self.call(&SCRIPTS.acquire, &keys, 3);
@@ -573,18 +671,21 @@ impl<C: Conn> Backend for RedisBackend<C> {
                         Attempt::Acquired { .. } if !op.fencing => Attempt::Acquired { fence: 0 },
                         attempt => attempt,
                     };
-                    (attempt, acknowledged)
+                    (NodeAttempt::Attempt(attempt), acknowledged)
                 }
                 Mode::Once { tag, .. } => {
-                    let mut call = self.call(&SCRIPTS.begin, &record_keys(&op.name), 5);
+                    let mut call = self.call(&SCRIPTS.begin, &record_keys(&op.name), 6);
                     call.cmd
                         .arg(op.token.as_str())
                         .arg(millis(op.lease))
                         .arg(op.state_ttl_ms())
                         .arg(tag.as_ref())
                         .arg(counter_start());
+                    if let Some(inline) = self.inline_records {
+                        call.cmd.arg(inline);
+                    }
                     let (reply, acknowledged) = self.eval_replicated(op, true, call).await?;
-                    (parse_attempt(name, reply)?, acknowledged)
+                    (parse_begin(name, reply)?, acknowledged)
                 }
                 Mode::Reentrant { owner } => {
                     let mut call = self.call(&SCRIPTS.reentrant_acquire, &keys, 4);
@@ -594,10 +695,13 @@ impl<C: Conn> Backend for RedisBackend<C> {
                         .arg(op.state_ttl_ms())
                         .arg(op.token.as_str());
                     let (reply, acknowledged) = self.eval_replicated(op, true, call).await?;
-                    (parse_attempt(name, reply)?, acknowledged)
+                    (
+                        NodeAttempt::Attempt(parse_attempt(name, reply)?),
+                        acknowledged,
+                    )
                 }
             };
-            if let Attempt::Acquired { .. } = attempt
+            if let NodeAttempt::Attempt(Attempt::Acquired { .. }) = attempt
                 && let Err(error) = self.replicated(op, acknowledged)
             {
                 // Too few replicas have the lock, or the check itself failed: it does not count,
@@ -605,6 +709,63 @@ impl<C: Conn> Backend for RedisBackend<C> {
                 return Err(self.undo(op, error).await);
             }
             Ok(attempt)
+        })
+    }
+
+    /// Reads the server's eviction policy (`CONFIG GET`): a warning unless it is `noeviction`.
+    /// A refusal (`CONFIG` renamed away, a user without it on Redis 6, which cannot tell
+    /// beforehand) is no error: the policy is then not checked.
+    async fn eviction(&self) -> Option<StoreWarning> {
+        let mut conn = self.conn.clone();
+        let config: redis::RedisResult<HashMap<String, String>> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory*")
+            .query_async(&mut conn)
+            .await;
+        match config {
+            Ok(config) => eviction_warning(&self.describe, &config),
+            Err(error) => {
+                tracing::debug!(
+                    store = %self.describe,
+                    %error,
+                    "the eviction policy could not be read: not checked"
+                );
+                None
+            }
+        }
+    }
+
+    /// (Redlock) The one-part record a master named by `digest` ([`NodeAttempt::Large`]), if it
+    /// still holds that very record.
+    pub(crate) fn record<'a>(
+        &'a self,
+        name: &'a LockName,
+        digest: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Bytes>, LockError>> {
+        Box::pin(async move {
+            let mut call = self.call(&SCRIPTS.record, &[name.state_key()], 1);
+            call.cmd.arg(digest);
+            match self.eval(name, false, call).await? {
+                Value::Nil => Ok(None),
+                reply => bytes(reply)
+                    .map(Some)
+                    .ok_or_else(|| LockError::protocol(name.as_str(), "record: not a string")),
+            }
+        })
+    }
+}
+
+impl<C: Conn> Backend for RedisBackend<C> {
+    fn acquire<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        Box::pin(async move {
+            match self.acquire_node(op).await? {
+                NodeAttempt::Attempt(attempt) => Ok(attempt),
+                // Only a Redlock master is asked to name large records instead of sending them.
+                NodeAttempt::Large { .. } => Err(LockError::protocol(
+                    op.name.as_str(),
+                    "begin: a record named, not sent",
+                )),
+            }
         })
     }
 
@@ -680,7 +841,7 @@ impl<C: Conn> Backend for RedisBackend<C> {
         appended: u64,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
-            let mut call = self.call(&SCRIPTS.complete, &record_keys(&op.name), 4);
+            let mut call = self.call(&SCRIPTS.complete, &record_keys(&op.name), 5);
             call.cmd
                 .arg(op.token.as_str())
                 .arg(record)
@@ -689,6 +850,9 @@ impl<C: Conn> Backend for RedisBackend<C> {
                 call.cmd.arg("-1");
             } else {
                 call.cmd.arg(appended);
+            }
+            if let Some(inline) = self.inline_records {
+                call.cmd.arg(inline);
             }
             let (reply, acknowledged) = self.eval_replicated(op, true, call).await?;
             match parse_stored(op.name.as_str(), "complete", reply)? {
@@ -782,13 +946,35 @@ impl<C: Conn> Backend for RedisBackend<C> {
         true
     }
 
-    fn prepare(&self) -> BoxFuture<'_, Result<(), LockError>> {
+    fn prepare<'a>(
+        &'a self,
+        probe: &'a LockName,
+    ) -> BoxFuture<'a, Result<Vec<StoreWarning>, LockError>> {
         Box::pin(async move {
             let mut conn = self.conn.clone();
             self.calls
                 .prepare(&mut conn, &SCRIPTS.all())
                 .await
-                .map_err(|e| LockError::from_redis("(scripts)", false, e))
+                .map_err(|e| LockError::from_redis("(scripts)", false, e))?;
+            // Every command the lock sends on the client's keys, checked without running any.
+            let call = self.call(&SCRIPTS.check, &record_keys(probe), 0);
+            let reply = self.eval(probe, false, call).await?;
+            let check = parse_check(probe.as_str(), reply)?;
+            if let Some((command, known)) = check.refused {
+                return Err(crate::refusal::refused_command(
+                    &self.describe,
+                    &command,
+                    known,
+                ));
+            }
+            if check.config == Some(false) {
+                tracing::debug!(
+                    store = %self.describe,
+                    "the Redis user may not run CONFIG GET: the eviction policy is not checked"
+                );
+                return Ok(Vec::new());
+            }
+            Ok(self.eviction().await.into_iter().collect())
         })
     }
 

@@ -36,10 +36,12 @@ pub(crate) struct Scripts {
     pub(crate) reentrant_release: LuaScript,
     pub(crate) reentrant_extend: LuaScript,
     pub(crate) fence_sync: LuaScript,
+    pub(crate) record: LuaScript,
+    pub(crate) check: LuaScript,
 }
 
 impl Scripts {
-    pub(crate) fn all(&self) -> [&LuaScript; 11] {
+    pub(crate) fn all(&self) -> [&LuaScript; 13] {
         [
             &self.acquire,
             &self.begin,
@@ -52,6 +54,8 @@ impl Scripts {
             &self.reentrant_release,
             &self.reentrant_extend,
             &self.fence_sync,
+            &self.record,
+            &self.check,
         ]
     }
 }
@@ -61,9 +65,9 @@ impl Scripts {
 /// A function without flags is refused as a whole while the server is out of memory, where the
 /// same script sent with `EVALSHA` runs and only its memory-growing commands are refused. The
 /// scripts that only free or renew (release, renewal) are flagged `allow-oom` so that a lock
-/// can still be released and kept while Redis is full, as before; the read-only one is
+/// can still be released and kept while Redis is full, as before; the read-only ones are
 /// `no-writes`. The others keep the default: refused whole, before they touch anything.
-const SOURCES: [(&str, &str, &str); 11] = [
+const SOURCES: [(&str, &str, &str); 13] = [
     ("acquire", include_str!("scripts/acquire.lua"), ""),
     ("begin", include_str!("scripts/begin.lua"), ""),
     ("release", include_str!("scripts/release.lua"), "allow-oom"),
@@ -87,6 +91,8 @@ const SOURCES: [(&str, &str, &str); 11] = [
         "allow-oom",
     ),
     ("fence_sync", include_str!("scripts/fence_sync.lua"), ""),
+    ("record", include_str!("scripts/record.lua"), "no-writes"),
+    ("check", include_str!("scripts/check.lua"), "no-writes"),
 ];
 
 /// The function library: its name and its text (what `FUNCTION LOAD` is sent).
@@ -136,6 +142,8 @@ pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         reentrant_release,
         reentrant_extend,
         fence_sync,
+        record,
+        check,
     ] = SOURCES.map(|(name, text, _)| LuaScript {
         script: Script::new(text),
         function: format!("{}_{name}", LIBRARY.name),
@@ -152,6 +160,8 @@ pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         reentrant_release,
         reentrant_extend,
         fence_sync,
+        record,
+        check,
     }
 });
 

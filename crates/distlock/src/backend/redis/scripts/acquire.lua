@@ -4,6 +4,12 @@
 -- one Redis reached directly, a fenced acquisition is `SET NX PX` with the `HINCRBY` behind it
 -- in one pipeline (`RedisBackend::acquire_plain`).
 --
+-- All or nothing: the fence is drawn (and the state's expiry set) before the lock is taken, so
+-- a draw that fails (the state key holds another type, the counter is not an integer, the ACL
+-- user may not run HINCRBY or PEXPIRE) leaves no lock behind, held by nobody for a whole lease.
+-- Nothing runs between the look and the SET (a script is atomic); a number drawn for a lock
+-- then not taken (SET refused) is only burnt: fences must increase, not be dense.
+--
 -- KEYS[1]  lock key: a string holding the owner token, with the lease as its expiry
 -- KEYS[2]  state key: a hash with n = fencing counter. Both keys share one {hash tag}.
 -- ARGV[1]  owner token (unique per acquisition)
@@ -14,14 +20,17 @@
 -- -1 - pttl: -1 - the remaining lease in ms, or 0 if the lock has no expiry. The same call
 -- sent again (a cluster client resends a command whose connection broke before its reply)
 -- finds its own token: taken, with the fence it drew (nobody else drew one since).
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+-- (pcall: a lock key of another type, a reentrant lock of the same name, is held.)
+local holder = redis.pcall('GET', KEYS[1])
+if not holder then
   local fence = redis.call('HINCRBY', KEYS[2], 'n', '1')
   if ARGV[3] ~= '0' then
     redis.call('PEXPIRE', KEYS[2], ARGV[3])
   end
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   return fence
 end
-if redis.pcall('GET', KEYS[1]) == ARGV[1] then
+if holder == ARGV[1] then
   return tonumber(redis.call('HGET', KEYS[2], 'n'))
 end
 return -1 - redis.call('PTTL', KEYS[1])

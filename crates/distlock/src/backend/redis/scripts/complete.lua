@@ -16,16 +16,28 @@
 -- ARGV[2]  the record (one part), or the last part
 -- ARGV[3]  retention of the record in milliseconds
 -- ARGV[4]  parts appended before, '0' for a one-part record, '-1' for one replacing the parts
+-- ARGV[5]  (Redlock masters) the largest one-part record begin.lua sends with its answer: a
+--          longer one is stored with its length (l) and SHA-1 (h), which begin.lua answers
+--          with instead. Absent: no such record.
 --
 -- Returns 1 if stored (now or by an earlier attempt with this token), 0 if the lock was not
 -- ours any more, -1 - n if n parts are stored instead of ARGV[4] (nothing is touched).
+local function one_part()
+  local inline = tonumber(ARGV[5])
+  if inline and #ARGV[2] > inline then
+    redis.call('HSET', KEYS[2], 'd', ARGV[2], 'c', ARGV[1], 'l', #ARGV[2], 'h',
+      redis.sha1hex(ARGV[2]))
+  else
+    redis.call('HSET', KEYS[2], 'd', ARGV[2], 'c', ARGV[1])
+  end
+end
 if redis.pcall('GET', KEYS[1]) == ARGV[1] then
   if ARGV[4] == '0' then
-    redis.call('HSET', KEYS[2], 'd', ARGV[2], 'c', ARGV[1])
+    one_part()
   elseif ARGV[4] == '-1' then
     redis.call('DEL', KEYS[3])
     redis.call('HDEL', KEYS[2], 'p')
-    redis.call('HSET', KEYS[2], 'd', ARGV[2], 'c', ARGV[1])
+    one_part()
   else
     local stored = redis.call('LLEN', KEYS[3])
     if stored ~= tonumber(ARGV[4]) then

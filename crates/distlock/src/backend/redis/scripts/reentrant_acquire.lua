@@ -9,20 +9,38 @@
 -- ARGV[4]  hold token (unique per acquisition, so that a release removes exactly one hold)
 --
 -- Returns {1, fence} when taken, {0, pttl} when held by another owner.
+--
+-- All or nothing: the fence is drawn before the lock is written, so a draw that fails (the
+-- state key holds another type, the ACL user may not run HINCRBY) leaves nothing; a hash cannot
+-- be written with its expiry in one command, so a hold whose lease cannot be set (PEXPIRE
+-- refused) is taken back and the refusal returned: a lock without an expiry would be held by
+-- nobody for ever.
 local kind = redis.call('TYPE', KEYS[1]).ok
+-- Whether a redis.pcall reply is a refusal (then returned as the script's error reply).
+local function refused(reply)
+  return type(reply) == 'table' and reply.err ~= nil
+end
 if kind == 'none' then
   local fence = redis.call('HINCRBY', KEYS[2], 'n', '1')
   if ARGV[3] ~= '0' then
     redis.call('PEXPIRE', KEYS[2], ARGV[3])
   end
   redis.call('HSET', KEYS[1], 'o', ARGV[1], 'f', fence, 'h:' .. ARGV[4], '1')
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  local expiry = redis.pcall('PEXPIRE', KEYS[1], ARGV[2])
+  if refused(expiry) then
+    redis.call('DEL', KEYS[1])
+    return expiry
+  end
   return {1, fence}
 end
 if kind == 'hash' and redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
   redis.call('HSET', KEYS[1], 'h:' .. ARGV[4], '1')
   if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    local expiry = redis.pcall('PEXPIRE', KEYS[1], ARGV[2])
+    if refused(expiry) then
+      redis.call('HDEL', KEYS[1], 'h:' .. ARGV[4])
+      return expiry
+    end
   end
   return {1, tonumber(redis.call('HGET', KEYS[1], 'f'))}
 end
