@@ -454,6 +454,10 @@ const _: () = assert!(MAX_RECORD_LIMIT >= MAX_WHOLE_RECORD_LIMIT && MAX_RECORD_L
 /// memory and stored as one value (Redis values are at most 512 MB).
 pub const MAX_WHOLE_RECORD_LIMIT: usize = 256 << 20;
 
+/// The room left for a whole record's head (status, headers, trailers) beside its body, under
+/// what a store that does not stream carries.
+const RECORD_HEAD_ROOM: usize = 256 << 10;
+
 /// The largest chunk a streamed record is stored in.
 pub const MAX_CHUNK_SIZE: usize = 64 << 20;
 
@@ -1139,7 +1143,10 @@ impl IdempotencyLayerBuilder {
         let (default_limit, max_limit) = if streaming {
             (64 << 20, MAX_RECORD_LIMIT)
         } else {
-            (1 << 20, MAX_WHOLE_RECORD_LIMIT)
+            // Redlock carries a record to every master within its command timeout: the body
+            // and a head (status, headers, trailers) must fit what the store says it carries.
+            let carried = (store.client().max_record_len()).saturating_sub(RECORD_HEAD_ROOM);
+            ((1 << 20).min(carried), MAX_WHOLE_RECORD_LIMIT.min(carried))
         };
         // The in-memory store makes room for a record by evicting the oldest outcomes, part by
         // part for a streamed one, before it knows whether the record will fit or be kept: a
@@ -1164,8 +1171,14 @@ impl IdempotencyLayerBuilder {
             return invalid(
                 "record_limit",
                 format!(
-                    "{record_limit} must be between 1 and {max_limit} bytes on {}",
-                    store.describe()
+                    "{record_limit} must be between 1 and {max_limit} bytes on {}{}",
+                    store.describe(),
+                    if streaming {
+                        ""
+                    } else {
+                        " (what it carries to every master within its command timeout: raise \
+                         the lock's op_timeout for more)"
+                    }
                 ),
             );
         }
@@ -1371,6 +1384,51 @@ mod tests {
         assert!(bare().secret(b"short").is_err());
         assert!(base().lease(Duration::from_millis(1)).is_err());
         assert!(base().fingerprint_headers(["bad header"]).is_err());
+    }
+
+    /// On Redlock a record travels whole to every master within the command timeout: a record
+    /// limit over what the store carries is refused when the layer is built (it was stored
+    /// and then reported lost, and every later begin timed out).
+    #[tokio::test]
+    async fn a_record_limit_over_what_redlock_carries_is_refused() {
+        let redlock = |op_timeout| {
+            let config = distlock::LockConfig::builder()
+                .op_timeout(op_timeout)
+                .build()
+                .unwrap();
+            let client = distlock::LockClient::builder()
+                .config(config)
+                .connect_redlock(&[
+                    "redis://127.0.0.1:1/",
+                    "redis://127.0.0.1:2/",
+                    "redis://127.0.0.1:3/",
+                ])
+                .unwrap();
+            Store::from_client(client)
+        };
+        let store = redlock(Duration::from_secs(2));
+        let carried = store.client().max_record_len();
+        let built = |limit| {
+            IdempotencyLayer::builder(store.clone())
+                .global_keys()
+                .record_limit(limit)
+                .build()
+        };
+        match built(carried) {
+            Err(ConfigError::Invalid { field, reason }) => {
+                assert_eq!(field, "record_limit");
+                assert!(reason.contains("op_timeout"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(built(carried - RECORD_HEAD_ROOM).is_ok());
+        // The default fits whatever the store carries.
+        let tight = redlock(Duration::from_millis(400));
+        let layer = IdempotencyLayer::builder(tight.clone())
+            .global_keys()
+            .build()
+            .unwrap();
+        assert!(layer.config().record_limit + RECORD_HEAD_ROOM <= tight.client().max_record_len());
     }
 
     /// On a 32-bit target the record limit was 0 (`16 << 30` in a `usize`): `build()` always
