@@ -149,6 +149,35 @@ impl LockClient {
         ))
     }
 
+    /// The names under this client's prefix that match the glob `pattern` (`*` any run of
+    /// characters, `?` one; on Redis also `[...]` and `\\`) and have a run-once state (a
+    /// record, a holder, a fencing counter), sorted: for operators, with [`Once::inspect`]
+    /// (leases in flight for too long, say). On Redis a `SCAN` (a page at a time, never
+    /// `KEYS`), on every master of a Cluster.
+    ///
+    /// # Errors
+    /// [`LockError::Unavailable`] if the store cannot be reached; [`LockError::Unsupported`]
+    /// on Redlock.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use distlock::Begin;
+    /// let client = distlock::LockClient::memory();
+    /// for name in ["order.1", "order.2", "invoice.1"] {
+    ///     let Begin::Acquired(guard) = client.once(name)?.begin("").await? else { unreachable!() };
+    ///     guard.complete(b"done").await?;
+    /// }
+    /// assert_eq!(client.scan("order.*").await?, ["order.1", "order.2"]);
+    /// # Ok(()) }
+    /// ```
+    pub async fn scan(&self, pattern: &str) -> Result<Vec<String>, crate::LockError> {
+        let timeout = self.config().op_timeout().saturating_mul(10);
+        crate::backend::timed(timeout, self.backend().scan(self.prefix(), pattern))
+            .await
+            .unwrap_or_else(|_| Err(crate::LockError::timeout(pattern, false, timeout)))
+    }
+
     /// A run-once lock on `name` (see [`Once`]).
     ///
     /// ```
@@ -830,9 +859,14 @@ impl LockClientBuilder {
             std::any::TypeId::of::<redis::aio::ConnectionManager>(),
         ]
         .contains(&std::any::TypeId::of::<C>());
+        // A cluster's connection also reaches every master for a scan.
+        let cluster = (&conn as &dyn std::any::Any)
+            .downcast_ref::<redis::cluster_async::ClusterConnection>()
+            .cloned();
         let backend = RedisBackend::new(conn, waiters, describe)
             .with_replicas(self.replicas)
-            .with_pipelined_fences(single);
+            .with_pipelined_fences(single)
+            .with_cluster(cluster);
         self.build(Arc::new(backend))
     }
 

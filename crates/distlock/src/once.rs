@@ -237,6 +237,66 @@ impl Record {
     }
 }
 
+/// What the store holds for a run-once name, read without changing it: see [`Once::inspect`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Inspection {
+    /// The holder, while a lease holds the name.
+    pub holder: Option<Holder>,
+    /// The completed record: its first part, and how many parts it has.
+    pub record: Option<Record>,
+    /// The last fencing token handed out for the name (the holder's, or the last holder's).
+    pub fence: Option<u64>,
+    /// How much longer the record (and the fencing counter) is kept.
+    pub expires_in: Option<Duration>,
+}
+
+impl Inspection {
+    /// Nothing is stored for the name.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// let once = distlock::LockClient::memory().once("never-used")?;
+    /// assert!(once.inspect().await?.is_absent());
+    /// # Ok(()) }
+    /// ```
+    pub fn is_absent(&self) -> bool {
+        self.holder.is_none() && self.record.is_none() && self.fence.is_none()
+    }
+}
+
+/// The holder of a run-once name, as [`Once::inspect`] finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Holder {
+    /// The lease left (`None`: a lease without an expiry, which this crate never sets).
+    pub lease_left: Option<Duration>,
+    /// The holder's fencing token.
+    pub fence: u64,
+    /// The tag the holder passed to [`Once::begin`].
+    pub tag: Bytes,
+    /// When the holder took the name, by its own clock (`None` when the store did not say: a
+    /// holder of an earlier version).
+    pub since: Option<std::time::SystemTime>,
+}
+
+/// What [`Once::purge`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Purged {
+    /// The record (and the fencing counter) were deleted.
+    Deleted,
+    /// Nothing was stored.
+    Absent,
+    /// A lease holds the name: nothing was deleted, the holder is left alone (purge again once
+    /// it has ended).
+    InFlight {
+        /// The holder's lease left.
+        lease_left: Option<Duration>,
+    },
+}
+
 /// Where a run-once record stands, as [`Once::parts`] reads it.
 ///
 /// ```
@@ -771,6 +831,70 @@ impl Once {
     pub async fn stored_parts(&self, from: u64, max: usize) -> Result<Vec<Bytes>, LockError> {
         self.read(|| self.client.backend().stored_parts(&self.name, from, max))
             .await
+    }
+
+    /// What the store holds for this name, read without changing it (one round trip on
+    /// Redis): the holder, while a lease holds it; the completed record; the fencing counter
+    /// and how long the state is kept. For operators (see also [`Once::purge`] and
+    /// [`LockClient::scan`](crate::LockClient::scan)).
+    ///
+    /// # Errors
+    /// [`LockError::Unavailable`] if the store cannot be reached; [`LockError::Unsupported`]
+    /// on Redlock (a read of one master would not be the quorum's).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// use distlock::Begin;
+    /// let once = distlock::LockClient::memory().once("order-7")?;
+    /// let Begin::Acquired(guard) = once.begin("fp").await? else { unreachable!() };
+    /// let held = once.inspect().await?;
+    /// assert_eq!(held.holder.as_ref().map(|h| h.fence), Some(guard.fence()));
+    /// guard.complete(b"paid").await?;
+    /// let done = once.inspect().await?;
+    /// assert!(done.holder.is_none());
+    /// assert_eq!(done.record.map(|r| r.into_first()), Some(bytes::Bytes::from_static(b"paid")));
+    /// # Ok(()) }
+    /// ```
+    pub async fn inspect(&self) -> Result<Inspection, LockError> {
+        self.read(|| self.client.backend().inspect(&self.name))
+            .await
+    }
+
+    /// Deletes this name's record, so that the next [`begin`](Once::begin) runs the work
+    /// again: for an operator who has reconciled an outcome by hand. Never while a lease holds
+    /// the name ([`Purged::InFlight`], nothing deleted): a second execution never starts beside
+    /// the one running.
+    ///
+    /// # Errors
+    /// [`LockError::Unavailable`] if the store cannot be reached; [`LockError::Unsupported`]
+    /// on Redlock.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), distlock::LockError> {
+    /// use distlock::{Begin, once::Purged};
+    /// let once = distlock::LockClient::memory().once("order-7")?;
+    /// let Begin::Acquired(guard) = once.begin("fp").await? else { unreachable!() };
+    /// assert!(matches!(once.purge().await?, Purged::InFlight { .. }));
+    /// guard.complete(b"paid").await?;
+    /// assert_eq!(once.purge().await?, Purged::Deleted);
+    /// assert!(matches!(once.begin("fp").await?, Begin::Acquired(_)));
+    /// # Ok(()) }
+    /// ```
+    pub async fn purge(&self) -> Result<Purged, LockError> {
+        crate::backend::timed(
+            self.config.op_timeout(),
+            self.client.backend().purge(&self.name),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(LockError::timeout(
+                self.name.as_str(),
+                true,
+                self.config.op_timeout(),
+            ))
+        })
     }
 
     /// Runs a read (which changes nothing, so it may run twice) until it answers, trying again

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use ::redis::AsyncCommands;
 use bytes::Bytes;
-use distlock::once::{Follower, RecordState};
+use distlock::once::{Follower, Purged, RecordState};
 use distlock::{Begin, LockClient, LockConfig, LockError, LossReason, OnceGuard, OwnerId};
 use testkit::{History, RedisServer};
 
@@ -108,6 +108,7 @@ both!(
     a_reader_ahead_of_the_writer_waits_for_its_part,
     a_completion_reaches_every_waiting_duplicate,
     a_record_begun_again_after_it_expired_draws_a_larger_fence,
+    an_operator_inspects_purges_and_scans,
 );
 
 async fn exclusion_and_fencing(store: Store) {
@@ -775,4 +776,85 @@ async fn a_record_begun_again_after_it_expired_draws_a_larger_fence(store: Store
         "the run after the record expired drew fence {} after {fence}",
         again.fence()
     );
+}
+
+/// What an operator sees of a name: absent; in flight (the lease left, the fence, the tag,
+/// since when); completed (the record, how long it is kept). A purge is refused while a lease
+/// holds the name (the holder goes on and stores its record), and once it ended deletes the
+/// record: the next `begin` runs the work again, with a greater fence. A scan finds the names
+/// by pattern under the client's prefix, never another prefix's.
+async fn an_operator_inspects_purges_and_scans(store: Store) {
+    let client = store.client(LockConfig::default()).await;
+    let once = client.once("order.7").unwrap();
+    let absent = once.inspect().await.unwrap();
+    assert!(absent.is_absent(), "{absent:?}");
+    assert_eq!(once.purge().await.unwrap(), Purged::Absent);
+
+    let before = std::time::SystemTime::now();
+    let guard = holder(&once).await;
+    let held = once.inspect().await.unwrap();
+    let h = held.holder.as_ref().expect("in flight");
+    assert_eq!(h.fence, guard.fence());
+    assert_eq!(h.tag, Bytes::from_static(b"fp"));
+    assert!(
+        h.lease_left
+            .is_some_and(|l| l > Duration::ZERO && l <= Duration::from_secs(10))
+    );
+    let since = h.since.expect("since when");
+    assert!(
+        since + Duration::from_secs(5) >= before && since <= std::time::SystemTime::now(),
+        "{since:?} against {before:?}"
+    );
+    assert!(held.record.is_none());
+    // A purge never lets a second execution start beside this one.
+    assert!(matches!(
+        once.purge().await.unwrap(),
+        Purged::InFlight {
+            lease_left: Some(_)
+        }
+    ));
+    assert!(matches!(
+        once.begin("fp").await.unwrap(),
+        Begin::InFlight { .. }
+    ));
+    let fence = guard.fence();
+    guard.complete(b"receipt").await.unwrap();
+    let done = once.inspect().await.unwrap();
+    assert!(done.holder.is_none());
+    assert_eq!(
+        done.record.map(|r| r.into_first()),
+        Some(Bytes::from_static(b"receipt"))
+    );
+    assert_eq!(done.fence, Some(fence));
+    assert!(
+        done.expires_in
+            .is_some_and(|e| e > Duration::from_secs(3600))
+    );
+
+    // Names by pattern, under this prefix only.
+    for name in ["order.8", "invoice.1"] {
+        let g = holder(&client.once(name).unwrap()).await;
+        g.complete(b"x").await.unwrap();
+    }
+    if let Some(url) = &store.url {
+        let other = LockClient::builder()
+            .prefix(&format!("{}-elsewhere", store.prefix))
+            .unwrap()
+            .connect(url)
+            .unwrap();
+        let g = holder(&other.once("order.9").unwrap()).await;
+        g.complete(b"x").await.unwrap();
+    }
+    assert_eq!(
+        client.scan("order.*").await.unwrap(),
+        ["order.7", "order.8"]
+    );
+    assert_eq!(client.scan("*").await.unwrap().len(), 3);
+    assert_eq!(client.scan("nothing*").await.unwrap(), Vec::<String>::new());
+
+    assert_eq!(once.purge().await.unwrap(), Purged::Deleted);
+    assert!(once.inspect().await.unwrap().is_absent());
+    assert_eq!(client.scan("order.*").await.unwrap(), ["order.8"]);
+    let again = holder(&once).await;
+    assert!(again.fence() > fence, "{} after {fence}", again.fence());
 }

@@ -117,6 +117,27 @@ async fn locks_run_unchanged_on_a_cluster() {
     let read = stream.parts(0, 8).await.unwrap();
     assert_eq!(read.parts(), [&b"a"[..], b"b", b"c"]);
     assert_eq!(read.state(), distlock::once::RecordState::Done { parts: 3 });
+
+    // An operator's scan reaches every master: records spread over the slots are all found
+    // (a SCAN of one node finds a third of them), and inspected where they are.
+    let mut names: Vec<String> = (0..30).map(|i| format!("scan.{i:02}")).collect();
+    for name in &names {
+        let Begin::Acquired(g) = c.once(name).unwrap().begin("t").await.unwrap() else {
+            panic!()
+        };
+        g.complete(b"x").await.unwrap();
+    }
+    names.sort();
+    assert_eq!(c.scan("scan.*").await.unwrap(), names);
+    let inspected = c.once("scan.07").unwrap().inspect().await.unwrap();
+    assert_eq!(
+        inspected.record.map(|r| r.into_first()),
+        Some(bytes::Bytes::from_static(b"x"))
+    );
+    assert_eq!(
+        c.once("scan.07").unwrap().purge().await.unwrap(),
+        distlock::once::Purged::Deleted
+    );
 }
 
 /// A release announcement published on the master that owns the lock reaches a waiter whose

@@ -21,7 +21,7 @@ use entries::Entries;
 
 mod entries;
 use super::{Appended, Attempt, Backend, BoxFuture, Mode, Op};
-use crate::once::{Parts, Record, RecordState};
+use crate::once::{self, Inspection, Parts, Purged, Record, RecordState};
 use crate::{ConfigError, LockError, LockName, OwnerId, Token};
 
 /// Bounds of the in-memory store.
@@ -129,6 +129,8 @@ struct MemState {
     /// The token that stored the record (a retried completion is recognised).
     completed_by: Option<Token>,
     expires: Option<Instant>,
+    /// When the holder took the name, by the wall clock (for operators: `inspect`).
+    since: Option<std::time::SystemTime>,
 }
 
 impl MemState {
@@ -558,6 +560,7 @@ impl MemoryBackend {
             // starts from no parts (an abandoned writer's are dropped).
             let state = entry.state.get_or_insert_with(MemState::default);
             state.tag = Some(tag);
+            state.since = Some(std::time::SystemTime::now());
             state.writer = fence;
             state.clear_parts();
             state.expires = state_ttl(op).map(|ttl| crate::clock::after(now, ttl));
@@ -762,6 +765,71 @@ impl MemoryBackend {
         Ok(Appended::Stored)
     }
 
+    fn inspect_now(&self, name: &LockName) -> Inspection {
+        let now = crate::clock::now();
+        let mut store = self.store();
+        store.sweep(now);
+        let entry = store
+            .entries
+            .find(name.lock_key())
+            .map(|slot| store.entries.get(slot));
+        let lock = entry.and_then(|e| e.live_lock(now));
+        let state = entry.and_then(|e| e.state.as_ref());
+        Inspection {
+            holder: lock.map(|lock| once::Holder {
+                lease_left: Some(lock.expires - now),
+                fence: lock.fence,
+                tag: state.and_then(|s| s.tag.clone()).unwrap_or_default(),
+                since: state.and_then(|s| s.since),
+            }),
+            record: state.and_then(MemState::done),
+            fence: (lock.map(|l| l.fence).or(state.map(|s| s.writer))).filter(|f| *f > 0),
+            expires_in: (state.and_then(|s| s.expires)).map(|at| at.saturating_duration_since(now)),
+        }
+    }
+
+    fn purge_now(&self, name: &LockName) -> Purged {
+        let now = crate::clock::now();
+        let mut store = self.store();
+        store.sweep(now);
+        let Store { entries, ix } = &mut *store;
+        let Some(slot) = entries.find(name.lock_key()) else {
+            return Purged::Absent;
+        };
+        let entry = entries.get_mut(slot);
+        if let Some(lock) = entry.live_lock(now) {
+            return Purged::InFlight {
+                lease_left: Some(lock.expires - now),
+            };
+        }
+        if entry.state.is_none() {
+            return Purged::Absent;
+        }
+        let before = (entry.slots(), entry.bytes());
+        entry.state = None;
+        if ix.settle(slot, entry, before) {
+            entries.remove(slot);
+        }
+        Purged::Deleted
+    }
+
+    fn scan_now(&self, prefix: &str, pattern: &str) -> Vec<String> {
+        let store = self.store();
+        let separator = if prefix.is_empty() { "" } else { ":" };
+        let start = format!("{prefix}{separator}{{");
+        let mut names: Vec<String> = store
+            .entries
+            .iter()
+            .filter(|(_, entry)| entry.state.is_some())
+            .filter_map(|(_, entry)| {
+                let name = entry.key.strip_prefix(start.as_str())?.strip_suffix('}')?;
+                glob(pattern.as_bytes(), name.as_bytes()).then(|| name.to_owned())
+            })
+            .collect();
+        names.sort_unstable();
+        names
+    }
+
     fn parts_now(&self, name: &LockName, from: u64, max: usize) -> Result<Parts, LockError> {
         let now = crate::clock::now();
         let mut store = self.store();
@@ -926,6 +994,34 @@ impl MemoryBackend {
     }
 }
 
+/// Whether `text` matches the glob `pattern`: `*` any run of bytes, `?` one byte, anything else
+/// itself (what a `SCAN` pattern means without its character classes).
+fn glob(pattern: &[u8], text: &[u8]) -> bool {
+    // Where the last `*` was, and where in `text` it has matched up to.
+    let (mut p, mut t, mut star) = (0, 0, None);
+    while t < text.len() {
+        match pattern.get(p) {
+            Some(b'*') => {
+                star = Some((p, t));
+                p += 1;
+            }
+            Some(&c) if c == b'?' || c == text[t] => {
+                p += 1;
+                t += 1;
+            }
+            _ => match star {
+                Some((sp, st)) => {
+                    p = sp + 1;
+                    t = st + 1;
+                    star = Some((sp, st + 1));
+                }
+                None => return false,
+            },
+        }
+    }
+    pattern[p..].iter().all(|c| *c == b'*')
+}
+
 impl Backend for MemoryBackend {
     fn acquire<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<Attempt, LockError>> {
         Box::pin(std::future::ready(self.acquire_now(op)))
@@ -966,6 +1062,22 @@ impl Backend for MemoryBackend {
         Box::pin(std::future::ready(self.parts_now(name, from, max)))
     }
 
+    fn inspect<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Inspection, LockError>> {
+        Box::pin(std::future::ready(Ok(self.inspect_now(name))))
+    }
+
+    fn purge<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Purged, LockError>> {
+        Box::pin(std::future::ready(Ok(self.purge_now(name))))
+    }
+
+    fn scan<'a>(
+        &'a self,
+        prefix: &'a str,
+        pattern: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<String>, LockError>> {
+        Box::pin(std::future::ready(Ok(self.scan_now(prefix, pattern))))
+    }
+
     fn supports_streaming(&self) -> bool {
         true
     }
@@ -997,6 +1109,31 @@ impl Backend for MemoryBackend {
 mod tests {
     use super::*;
     use crate::LockName;
+
+    #[test]
+    fn globs_match_as_scan_patterns_do() {
+        for (pattern, text, matches) in [
+            ("*", "", true),
+            ("*", "abc", true),
+            ("a*", "abc", true),
+            ("a*c", "abc", true),
+            ("a*c", "abd", false),
+            ("a?c", "abc", true),
+            ("a?c", "ac", false),
+            ("ab.*", "ab.1f", true),
+            ("ab.*", "ab", false),
+            ("*.x*y", "a.xzzy", true),
+            ("*.x*y", "a.xzzyz", false),
+            ("exact", "exact", true),
+            ("exact", "exactly", false),
+        ] {
+            assert_eq!(
+                glob(pattern.as_bytes(), text.as_bytes()),
+                matches,
+                "{pattern} {text}"
+            );
+        }
+    }
 
     fn op(name: &str, mode: Mode, lease_ms: u64) -> Op {
         Op {

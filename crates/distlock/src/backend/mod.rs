@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::once::{Parts, Record};
+use crate::once::{Inspection, Parts, Purged, Record};
 use crate::{LockError, LockName, MemoryLimits, OwnerId, Token};
 
 pub(crate) mod memory;
@@ -226,6 +226,28 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
         max: usize,
     ) -> BoxFuture<'a, Result<Vec<Bytes>, LockError>> {
         Box::pin(async move { Ok(self.parts(name, from, max).await?.into_parts()) })
+    }
+    /// What the store holds for `name`, in one atomic read.
+    fn inspect<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Inspection, LockError>> {
+        Box::pin(std::future::ready(Err(self.unsupported(name, "inspect"))))
+    }
+    /// Deletes `name`'s run-once state unless a lease holds it.
+    fn purge<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Purged, LockError>> {
+        Box::pin(std::future::ready(Err(self.unsupported(name, "purge"))))
+    }
+    /// The names under `prefix` whose state or lock key matches the glob `pattern` (applied to
+    /// the name), every one once.
+    fn scan<'a>(
+        &'a self,
+        prefix: &'a str,
+        pattern: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<String>, LockError>> {
+        let _ = prefix;
+        Box::pin(std::future::ready(Err(LockError::Unsupported {
+            name: pattern.to_owned(),
+            operation: "scan",
+            store: self.describe(),
+        })))
     }
     /// Whether `append` and `parts` work on this store.
     fn supports_streaming(&self) -> bool {

@@ -143,7 +143,6 @@ impl Entries {
     }
 
     /// Every entry, with its slot.
-    #[cfg(test)]
     pub(super) fn iter(&self) -> impl Iterator<Item = (usize, &Entry)> {
         self.chunks
             .iter()

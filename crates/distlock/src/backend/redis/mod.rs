@@ -14,7 +14,7 @@ use redis::aio::ConnectionLike;
 
 use super::waiters::Waiters;
 use super::{Appended, Attempt, Backend, BoxFuture, Mode, Op, millis};
-use crate::once::{Parts, Record, RecordState};
+use crate::once::{Holder, Inspection, Parts, Purged, Record, RecordState};
 use crate::{LockError, LockName, StoreWarning};
 
 mod call;
@@ -45,6 +45,8 @@ pub(crate) struct RedisBackend<C> {
     /// (Redlock masters) The largest one-part record `begin` sends with its answer; a larger
     /// one is named by its size and digest, and read with [`RedisBackend::record`].
     inline_records: Option<usize>,
+    /// (Redis Cluster) The connection as a cluster's, to reach every master for a `SCAN`.
+    cluster: Option<redis::cluster_async::ClusterConnection>,
 }
 
 impl<C> std::fmt::Debug for RedisBackend<C> {
@@ -65,7 +67,17 @@ impl<C: Conn> RedisBackend<C> {
             calls: Arc::default(),
             pipelined_fences: false,
             inline_records: None,
+            cluster: None,
         }
+    }
+
+    /// (Redis Cluster) `SCAN`s go to every master of the cluster, through `cluster`.
+    pub(crate) fn with_cluster(
+        mut self,
+        cluster: Option<redis::cluster_async::ClusterConnection>,
+    ) -> Self {
+        self.cluster = cluster;
+        self
     }
 
     pub(crate) fn with_replicas(mut self, replicas: Option<(usize, Duration)>) -> Self {
@@ -896,6 +908,60 @@ impl<C: Conn> Backend for RedisBackend<C> {
         })
     }
 
+    fn inspect<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Inspection, LockError>> {
+        Box::pin(async move {
+            let call = self.call(&SCRIPTS.inspect, &record_keys(name), 0);
+            let reply = self.eval(name, false, call).await?;
+            parse_inspection(name.as_str(), reply)
+        })
+    }
+
+    fn purge<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Purged, LockError>> {
+        Box::pin(async move {
+            let call = self.call(&SCRIPTS.purge, &record_keys(name), 0);
+            let reply = self.eval(name, true, call).await?;
+            let bad = || LockError::protocol(name.as_str(), "purge: unexpected reply");
+            let Value::Array(reply) = reply else {
+                return Err(bad());
+            };
+            match (reply.first().and_then(int), reply.get(1).and_then(int)) {
+                (Some(0), Some(pttl)) => Ok(Purged::InFlight {
+                    lease_left: ttl(pttl),
+                }),
+                (Some(1), Some(0)) => Ok(Purged::Absent),
+                (Some(1), Some(_)) => Ok(Purged::Deleted),
+                _ => Err(bad()),
+            }
+        })
+    }
+
+    fn scan<'a>(
+        &'a self,
+        prefix: &'a str,
+        pattern: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<String>, LockError>> {
+        Box::pin(async move {
+            let separator = if prefix.is_empty() { "" } else { ":" };
+            let matching = format!("{}{separator}{{{pattern}}}:state", escape_glob(prefix));
+            let keys = match &self.cluster {
+                None => scan_node(&mut self.conn.clone(), None, &matching).await,
+                Some(cluster) => scan_cluster(cluster, &matching).await,
+            }
+            .map_err(|e| LockError::from_redis(pattern, false, e))?;
+            let start = prefix.len() + separator.len() + 1;
+            let mut names: Vec<String> = keys
+                .into_iter()
+                .filter_map(|key| {
+                    let name = key.get(start..)?.strip_suffix("}:state")?;
+                    Some(name.to_owned())
+                })
+                .collect();
+            names.sort_unstable();
+            names.dedup();
+            Ok(names)
+        })
+    }
+
     fn parts<'a>(
         &'a self,
         name: &'a LockName,
@@ -1259,4 +1325,129 @@ mod pipelined_tests {
         let held: bool = admin.exists(name.lock_key()).await.unwrap();
         assert!(!held, "the lock taken without a fence is released");
     }
+}
+
+/// A remaining time in milliseconds (`PTTL`): `None` for no expiry (-1) or no key (-2).
+fn ttl(pttl: i64) -> Option<Duration> {
+    u64::try_from(pttl).ok().map(Duration::from_millis)
+}
+
+/// The reply of `inspect.lua`.
+fn parse_inspection(name: &str, reply: Value) -> Result<Inspection, LockError> {
+    let bad = |what: &str| LockError::protocol(name, format!("inspect: {what}"));
+    let Value::Array(mut fields) = reply else {
+        return Err(bad("not an array"));
+    };
+    if fields.len() != 7 {
+        return Err(bad("not 7 fields"));
+    }
+    let state_pttl = int(&fields[6]).ok_or_else(|| bad("state PTTL"))?;
+    let parts = int(&fields[5]).ok_or_else(|| bad("parts"))?;
+    let first = bytes(std::mem::replace(&mut fields[4], Value::Nil));
+    let since = int(&fields[3]).and_then(|us| u64::try_from(us).ok());
+    let tag = bytes(std::mem::replace(&mut fields[2], Value::Nil));
+    let fence = int(&fields[1]).and_then(|n| u64::try_from(n).ok());
+    let lock_pttl = int(&fields[0]).ok_or_else(|| bad("lock PTTL"))?;
+    let holder = (lock_pttl != -2).then(|| Holder {
+        lease_left: ttl(lock_pttl),
+        fence: fence.unwrap_or(0),
+        tag: tag.unwrap_or_default(),
+        since: since.map(|us| std::time::UNIX_EPOCH + Duration::from_micros(us)),
+    });
+    let record = match u64::try_from(parts) {
+        Ok(parts) if parts > 0 => Some(Record::new(first.unwrap_or_default(), parts)),
+        _ => None,
+    };
+    Ok(Inspection {
+        holder,
+        record,
+        fence,
+        expires_in: ttl(state_pttl),
+    })
+}
+
+/// `text` as a glob matching it literally.
+fn escape_glob(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Every key matching `pattern` on one server (`SCAN`, a page at a time: never `KEYS`), sent on
+/// `conn`, or through a cluster's connection to the master at `node`.
+async fn scan_node<C: ConnectionLike>(
+    conn: &mut C,
+    node: Option<(&redis::cluster_async::ClusterConnection, &str, u16)>,
+    pattern: &str,
+) -> redis::RedisResult<Vec<String>> {
+    let mut keys = Vec::new();
+    let mut cursor = 0u64;
+    loop {
+        let mut scan = redis::cmd("SCAN");
+        scan.arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000);
+        let reply = match node {
+            None => scan.query_async::<Value>(conn).await?,
+            Some((cluster, host, port)) => {
+                use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                    host: host.to_owned(),
+                    port,
+                });
+                cluster.clone().route_command(scan, routing).await?
+            }
+        };
+        let (next, page): (u64, Vec<String>) = redis::from_redis_value(reply)?;
+        keys.extend(page);
+        cursor = next;
+        if cursor == 0 {
+            return Ok(keys);
+        }
+    }
+}
+
+/// Every key matching `pattern` on every master of a cluster (`CLUSTER SLOTS` names them).
+async fn scan_cluster(
+    cluster: &redis::cluster_async::ClusterConnection,
+    pattern: &str,
+) -> redis::RedisResult<Vec<String>> {
+    let slots: Value = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(&mut cluster.clone())
+        .await?;
+    let mut masters: Vec<(String, u16)> = Vec::new();
+    if let Value::Array(ranges) = slots {
+        for range in ranges {
+            let Value::Array(range) = range else { continue };
+            let Some(Value::Array(master)) = range.get(2) else {
+                continue;
+            };
+            let host = master
+                .first()
+                .and_then(|h| redis::from_redis_value::<String>(h.clone()).ok());
+            let port = master
+                .get(1)
+                .and_then(int)
+                .and_then(|p| u16::try_from(p).ok());
+            if let (Some(host), Some(port)) = (host, port)
+                && !masters.contains(&(host.clone(), port))
+            {
+                masters.push((host, port));
+            }
+        }
+    }
+    let mut keys = Vec::new();
+    for (host, port) in &masters {
+        let mut conn = cluster.clone();
+        keys.extend(scan_node(&mut conn, Some((cluster, host, *port)), pattern).await?);
+    }
+    Ok(keys)
 }

@@ -38,10 +38,12 @@ pub(crate) struct Scripts {
     pub(crate) fence_sync: LuaScript,
     pub(crate) record: LuaScript,
     pub(crate) check: LuaScript,
+    pub(crate) inspect: LuaScript,
+    pub(crate) purge: LuaScript,
 }
 
 impl Scripts {
-    pub(crate) fn all(&self) -> [&LuaScript; 13] {
+    pub(crate) fn all(&self) -> [&LuaScript; 15] {
         [
             &self.acquire,
             &self.begin,
@@ -56,6 +58,8 @@ impl Scripts {
             &self.fence_sync,
             &self.record,
             &self.check,
+            &self.inspect,
+            &self.purge,
         ]
     }
 }
@@ -67,7 +71,7 @@ impl Scripts {
 /// scripts that only free or renew (release, renewal) are flagged `allow-oom` so that a lock
 /// can still be released and kept while Redis is full, as before; the read-only ones are
 /// `no-writes`. The others keep the default: refused whole, before they touch anything.
-const SOURCES: [(&str, &str, &str); 13] = [
+const SOURCES: [(&str, &str, &str); 15] = [
     ("acquire", include_str!("scripts/acquire.lua"), ""),
     ("begin", include_str!("scripts/begin.lua"), ""),
     ("release", include_str!("scripts/release.lua"), "allow-oom"),
@@ -93,6 +97,9 @@ const SOURCES: [(&str, &str, &str); 13] = [
     ("fence_sync", include_str!("scripts/fence_sync.lua"), ""),
     ("record", include_str!("scripts/record.lua"), "no-writes"),
     ("check", include_str!("scripts/check.lua"), "no-writes"),
+    ("inspect", include_str!("scripts/inspect.lua"), "no-writes"),
+    // Frees memory: a purge must work on a full server.
+    ("purge", include_str!("scripts/purge.lua"), "allow-oom"),
 ];
 
 /// The function library: its name and its text (what `FUNCTION LOAD` is sent).
@@ -144,6 +151,8 @@ pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         fence_sync,
         record,
         check,
+        inspect,
+        purge,
     ] = SOURCES.map(|(name, text, _)| LuaScript {
         script: Script::new(text),
         function: format!("{}_{name}", LIBRARY.name),
@@ -162,6 +171,8 @@ pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
         fence_sync,
         record,
         check,
+        inspect,
+        purge,
     }
 });
 

@@ -3,7 +3,8 @@
 -- abandoned writer left), else reports the holder.
 --
 -- KEYS[1]  lock key: a string holding the owner token, with the lease as its expiry
--- KEYS[2]  state key: a hash with n = fencing counter, m = the holder's tag, d = a one-part
+-- KEYS[2]  state key: a hash with n = fencing counter, m = the holder's tag, t = since when the
+--          holder holds (ARGV[5]), d = a one-part
 --          completion record, p = the part count of a complete streamed record, c = the token
 --          that completed it, and (Redlock masters, records longer than they send with an
 --          answer) l = the record's length, h = its SHA-1 in hex.
@@ -54,7 +55,7 @@ if not holder then
   -- interchangeable between the two: a new counter starts from the caller's clock instead.
   -- (Below 2^53: exact as a Lua number, written back as an integer.)
   local fence = (tonumber(state[3]) or tonumber(ARGV[5])) + 1
-  redis.call('HSET', KEYS[2], 'n', string.format('%.0f', fence), 'm', ARGV[4])
+  redis.call('HSET', KEYS[2], 'n', string.format('%.0f', fence), 'm', ARGV[4], 't', ARGV[5])
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
   -- A new writer starts from no parts (a no-op unless a writer died mid-stream).
   redis.call('DEL', KEYS[3])
