@@ -236,6 +236,7 @@ pub mod key;
 pub mod layer;
 mod live;
 mod metrics;
+pub mod operate;
 pub mod outcome;
 pub mod principal;
 pub mod problem;

@@ -54,7 +54,8 @@
 //! retry receives; [`UnknownOutcome::Release`] releases the key so that a retry runs the handler
 //! again. The default is `Record` by the same principle: running twice is the failure this
 //! layer exists to prevent; an attempt recorded as unknown can be reconciled (its fencing token
-//! names it), a double charge cannot be undone.
+//! names it) and its key cleared ([`IdempotencyLayer::purge`](crate::IdempotencyLayer::purge),
+//! or `idempotency purge`), a double charge cannot be undone.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};

@@ -70,6 +70,8 @@ pub(crate) fn target(uri: &http::Uri) -> &str {
 
 /// The path parameters the router matched, percent-decoded (collected by the layer from axum).
 #[derive(Debug, Clone)]
+// Made by the axum integration only.
+#[cfg_attr(not(feature = "axum"), allow(dead_code))]
 pub(crate) enum PathParams {
     Matched(Vec<(String, String)>),
     /// A parameter was not valid UTF-8 once percent-decoded.
