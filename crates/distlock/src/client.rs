@@ -156,8 +156,8 @@ impl LockClient {
     /// `KEYS`), on every master of a Cluster.
     ///
     /// # Errors
-    /// [`LockError::Unavailable`] if the store cannot be reached; [`LockError::Unsupported`]
-    /// on Redlock.
+    /// [`LockError::Unavailable`](crate::LockError::Unavailable) if the store cannot be
+    /// reached; [`LockError::Unsupported`](crate::LockError::Unsupported) on Redlock.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
