@@ -36,6 +36,17 @@ pub fn acl_rules(prefix: &str) -> String {
     format!("resetkeys ~{pattern} resetchannels &{pattern} {COMMANDS}")
 }
 
+/// The rules of a Redis user for operators ([`LockClient::scan`](crate::LockClient::scan),
+/// `tower-idempotency`'s `idempotency` tool): [`acl_rules`] and `SCAN` (the service's own user
+/// needs no `SCAN`).
+///
+/// ```
+/// assert!(distlock::operator_acl_rules("idem").ends_with(" +scan"));
+/// ```
+pub fn operator_acl_rules(prefix: &str) -> String {
+    format!("{} +scan", acl_rules(prefix))
+}
+
 /// The Redis function library of the lock's scripts (Redis 7+, Valkey), as `FUNCTION LOAD`
 /// takes it. A client loads it itself when its user may; for a least-privilege user
 /// ([`acl_rules`], which leave `FUNCTION LOAD` out), an administrator loads it once per

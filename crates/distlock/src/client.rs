@@ -261,6 +261,16 @@ impl LockClient {
         self.inner.backend.max_record_len(&self.inner.config)
     }
 
+    /// Whether a run-once guard can bind a transaction its work's writes commit in, with its
+    /// record ([`OnceGuard::transaction`](crate::OnceGuard::transaction)): the Postgres store.
+    ///
+    /// ```
+    /// assert!(!distlock::LockClient::memory().supports_transactions());
+    /// ```
+    pub fn supports_transactions(&self) -> bool {
+        self.inner.backend.supports_transactions()
+    }
+
     /// The bounds of the in-memory store ([`LockClientBuilder::memory`]); `None` for Redis.
     ///
     /// ```
@@ -887,6 +897,53 @@ impl LockClientBuilder {
         let (client, conn) = self.manager(url)?;
         let describe = format!("redis ({})", client.get_connection_info().addr());
         self.notifications(client).redis_described(conn, describe)
+    }
+
+    /// (Feature `postgres`) Locks and run-once records in `table` of the PostgreSQL database
+    /// `pool` connects to (created by [`LockClient::prepare`] if missing): see
+    /// [`postgres`](crate::postgres). Every operation takes a connection from the pool for its
+    /// duration only. Streaming is not offered (records are stored whole), nor reentrant locks.
+    /// Must be called inside a Tokio runtime (a task deletes expired rows every minute).
+    ///
+    /// # Errors
+    /// If `table` is not a table name (`letters_digits`, or `schema.table`).
+    #[cfg(feature = "postgres")]
+    pub fn postgres(
+        self,
+        pool: deadpool_postgres::Pool,
+        table: &str,
+    ) -> Result<LockClient, ConfigError> {
+        let backend = crate::backend::postgres::PostgresBackend::new(pool, table)?;
+        self.build(backend)
+    }
+
+    /// (Feature `postgres`) [`postgres`](Self::postgres) with a pool of up to 16 connections
+    /// (without TLS) to the database at `url` (`postgres://user:password@host:port/database`).
+    ///
+    /// # Errors
+    /// If `url` or `table` cannot be used.
+    #[cfg(feature = "postgres")]
+    pub fn connect_postgres(self, url: &str, table: &str) -> Result<LockClient, ConfigError> {
+        let config: tokio_postgres::Config = url.parse().map_err(|e| ConfigError::Invalid {
+            field: "postgres url",
+            reason: format!("{}: {e}", crate::redact_url(url)),
+        })?;
+        let manager = deadpool_postgres::Manager::from_config(
+            config,
+            tokio_postgres::NoTls,
+            deadpool_postgres::ManagerConfig {
+                recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+            },
+        );
+        let pool = deadpool_postgres::Pool::builder(manager)
+            .max_size(16)
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .build()
+            .map_err(|e| ConfigError::Invalid {
+                field: "postgres pool",
+                reason: e.to_string(),
+            })?;
+        self.postgres(pool, table)
     }
 
     /// Locks in this process's memory, bounded by `limits`.

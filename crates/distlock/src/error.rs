@@ -150,6 +150,21 @@ pub enum LockError {
     /// A name, prefix or configuration was refused (see [`ConfigError`](crate::ConfigError)).
     #[error(transparent)]
     Config(#[from] crate::ConfigError),
+    /// The SQL database of the Postgres store failed: it could not be reached
+    /// (`unreachable`; when `ambiguous`, the failed statement may have taken the lock or stored
+    /// the record), or it refused the statement.
+    #[error("the database failed for lock {name:?}{}", if *ambiguous { " (the statement may have taken effect)" } else { "" })]
+    Database {
+        /// The lock name.
+        name: String,
+        /// Whether the database could not be reached (as opposed to refusing the statement).
+        unreachable: bool,
+        /// Whether the failed statement may have taken effect.
+        ambiguous: bool,
+        /// The driver's or the pool's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// The store replied with something this version does not understand.
     #[error("unexpected reply for lock {name:?}: {detail}")]
     Protocol {
@@ -181,6 +196,10 @@ impl LockError {
             LockError::Unavailable { .. }
                 | LockError::NoQuorum { .. }
                 | LockError::NotReplicated { .. }
+                | LockError::Database {
+                    unreachable: true,
+                    ..
+                }
         )
     }
 

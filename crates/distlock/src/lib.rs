@@ -286,6 +286,8 @@ mod lease;
 mod lock;
 mod name;
 pub mod once;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 mod redact;
 mod refusal;
 pub mod sentinel;
@@ -294,7 +296,7 @@ mod token;
 mod warning;
 mod watchdog;
 
-pub use acl::{acl_rules, function_library};
+pub use acl::{acl_rules, function_library, operator_acl_rules};
 pub use backend::memory::MemoryLimits;
 pub use backoff::Backoff;
 pub use client::{DEFAULT_PREFIX, LockClient, LockClientBuilder};

@@ -1444,6 +1444,23 @@ impl OnceGuard {
         })
     }
 
+    /// (Postgres, feature `postgres`) A transaction on a connection of the pool that holds this
+    /// name's row locked until it ends: do the work's writes in it
+    /// ([`Transaction::client`](crate::postgres::Transaction::client)), and the completion
+    /// ([`complete`](Self::complete) and the others) stores the record in it and commits,
+    /// so that the writes and the record commit together or not at all; [`abort`](Self::abort)
+    /// (or dropping the guard) rolls it back. While it is open nobody else gets past the row
+    /// lock: the lease is renewed in the transaction, and a process that dies takes the
+    /// transaction and the row lock with its connection.
+    ///
+    /// # Errors
+    /// [`LockError::Unsupported`] on another store; [`LockError::LeaseLost`] if the lease went
+    /// before the row could be locked; [`LockError::Database`] if the database fails.
+    #[cfg(feature = "postgres")]
+    pub async fn transaction(&self) -> Result<crate::postgres::Transaction, LockError> {
+        self.guard.backend().bind(self.guard.op()).await
+    }
+
     /// Releases without storing a record (deleting the parts appended, if any); returns whether
     /// the lock was still ours.
     ///

@@ -46,5 +46,33 @@ pub fn unique_prefix(test: &str) -> String {
     format!("{TEST_PREFIX}:{test}-{}-{}", std::process::id(), now_ns())
 }
 
+/// A table name of its own for `test` (letters, digits and `_`, at most 48 characters).
+///
+/// ```
+/// let a = testkit::unique_table("a test");
+/// assert!(a.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') && a.len() <= 48);
+/// assert_ne!(a, testkit::unique_table("a test"));
+/// ```
+pub fn unique_table(test: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let short: String = test
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .take(24)
+        .collect();
+    format!(
+        "t_{short}_{}_{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
 /// The prefix of every [`unique_prefix`].
 pub const TEST_PREFIX: &str = "t";

@@ -60,6 +60,43 @@ impl PostgresServer {
         }
     }
 
+    /// One server for every test of this test binary (started by the first that asks; tests
+    /// keep apart by using tables of their own: [`unique_table`](crate::unique_table)). It
+    /// stops when the test binary exits: the server process is watched by a shell that stops
+    /// it once its parent, the test binary, is gone.
+    pub async fn shared() -> &'static PostgresServer {
+        static SHARED: tokio::sync::OnceCell<PostgresServer> = tokio::sync::OnceCell::const_new();
+        SHARED
+            .get_or_init(|| async {
+                match Self::try_start_watched().await {
+                    Ok(server) => server,
+                    Err(e) => panic!("{e}"),
+                }
+            })
+            .await
+    }
+
+    async fn try_start_watched() -> Result<Self, HarnessError> {
+        if std::env::var("DATABASE_URL").is_ok_and(|url| !url.is_empty()) {
+            return Self::try_start().await;
+        }
+        let process_error = match binaries() {
+            Ok(bin) => match Self::spawn(&bin, true).await {
+                Ok(server) => return Ok(server),
+                Err(e) => e.0,
+            },
+            Err(e) => e.0,
+        };
+        let container_error = match Self::container().await {
+            Ok(server) => return Ok(server),
+            Err(e) => e.0,
+        };
+        Err(HarnessError(format!(
+            "no PostgreSQL for the tests: {process_error}; and no container: {container_error}. \
+             To fix: {FIX}"
+        )))
+    }
+
     /// Like [`start`](Self::start) but returns the error.
     pub async fn try_start() -> Result<Self, HarnessError> {
         if let Ok(url) = std::env::var("DATABASE_URL")
@@ -74,7 +111,7 @@ impl PostgresServer {
             return Ok(server);
         }
         let process_error = match binaries() {
-            Ok(bin) => match Self::spawn(&bin).await {
+            Ok(bin) => match Self::spawn(&bin, false).await {
                 Ok(server) => return Ok(server),
                 Err(e) => e.0,
             },
@@ -101,7 +138,9 @@ impl PostgresServer {
         process.child.lock().unwrap().as_ref().map(Child::id)
     }
 
-    async fn spawn(bin: &Path) -> Result<Self, HarnessError> {
+    /// A new cluster in a temp dir; `watched`: the server runs under a shell that stops it when
+    /// this process is gone.
+    async fn spawn(bin: &Path, watched: bool) -> Result<Self, HarnessError> {
         let dir = tempfile::tempdir()
             .map_err(|e| HarnessError(format!("cannot create a temp dir: {e}")))?;
         let data = dir.path().join("data");
@@ -139,7 +178,20 @@ impl PostgresServer {
         let mut last = String::new();
         for _ in 0..5 {
             let port = free_port()?;
-            let mut postgres = Command::new(bin.join("postgres"));
+            let mut postgres = if watched {
+                // `$PPID` is this process: once it is gone, "immediate shutdown" (SIGQUIT). (By
+                // /proc, not `kill -0`: the shell runs as the postgres user, this as root.)
+                let mut sh = Command::new("sh");
+                sh.arg("-c").arg(
+                    "\"$0\" \"$@\" & server=$!; \
+                     while [ -e /proc/$PPID ] && kill -0 $server 2>/dev/null; do sleep 0.5; done; \
+                     kill -QUIT $server 2>/dev/null; wait $server",
+                );
+                sh.arg(bin.join("postgres"));
+                sh
+            } else {
+                Command::new(bin.join("postgres"))
+            };
             postgres
                 .arg("-D")
                 .arg(&data)

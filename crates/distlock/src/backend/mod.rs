@@ -15,6 +15,8 @@ use crate::{LockError, LockName, MemoryLimits, OwnerId, Token};
 pub(crate) mod memory;
 #[cfg(test)]
 mod model_tests;
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres;
 pub(crate) mod redis;
 pub(crate) mod redlock;
 pub(crate) mod waiters;
@@ -248,6 +250,18 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
             operation: "scan",
             store: self.describe(),
         })))
+    }
+    /// (Postgres) Opens a transaction that holds `op`'s lock while `op` holds it: see
+    /// [`OnceGuard::transaction`](crate::OnceGuard::transaction).
+    #[cfg(feature = "postgres")]
+    fn bind<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<postgres::Transaction, LockError>> {
+        Box::pin(std::future::ready(Err(
+            self.unsupported(&op.name, "transaction")
+        )))
+    }
+    /// Whether [`bind`](Backend::bind) works on this store (Postgres).
+    fn supports_transactions(&self) -> bool {
+        false
     }
     /// Whether `append` and `parts` work on this store.
     fn supports_streaming(&self) -> bool {
