@@ -362,6 +362,35 @@ where
                 }
                 _ => None,
             };
+            // Same-transaction mode: the handler's writes go in a transaction that holds the
+            // key's row, and commit with its outcome.
+            #[cfg(feature = "postgres")]
+            let transaction = if config.same_transaction {
+                match guard.transaction().await {
+                    Ok(transaction) => {
+                        parts
+                            .extensions
+                            .insert(crate::Transaction::new(transaction.clone()));
+                        Some(transaction)
+                    }
+                    Err(error) => {
+                        tracing::warn!(key = %name, %error, "idempotency: no transaction for the handler: 503, handler not run");
+                        drop(thing);
+                        if let Err(error) = guard.abort().await {
+                            tracing::debug!(%error, "idempotency: release failed; the lease will expire");
+                        }
+                        return reject(
+                            &config,
+                            &span,
+                            Rejection::StoreUnavailable {
+                                retry_after: config.retry_after,
+                            },
+                        );
+                    }
+                }
+            } else {
+                None
+            };
             // The handler's lease and fence: the thing's, for a key that names one (greater
             // than that of every earlier execution about it).
             let lease = match &thing {
@@ -387,6 +416,8 @@ where
                     guard,
                     thing,
                     previous,
+                    #[cfg(feature = "postgres")]
+                    transaction,
                     fingerprint,
                     record_key: derived.record_key,
                     config,

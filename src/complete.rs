@@ -152,6 +152,17 @@ pub(crate) async fn unknown(run: Box<Run>, why: &'static str) {
 
 async fn unknown_now(run: Box<Run>, why: &str) {
     let fence = run.guard.fence();
+    if run.config.same_transaction {
+        // The handler's writes are rolled back with the transaction: nothing happened, and a
+        // retry runs it cleanly.
+        tracing::warn!(
+            fence,
+            why,
+            "idempotency: the handler failed; its transaction is rolled back, the key released"
+        );
+        release(run, Event::NotStored).await;
+        return;
+    }
     // The fence the handler was given, for a key that names a thing (the record's is the one
     // the outcome-unknown problem names).
     let thing_fence = run.thing.as_ref().map(LockGuard::fence);
@@ -257,13 +268,15 @@ async fn store(run: Box<Run>, record: &[u8], event: Event, instead: Instead<'_>)
 /// store answers, the lease keeping the key until then. A command sent before the response goes
 /// out is ahead of any command the client's retry can cause on this instance's connection. A
 /// record the store refuses is replaced as `instead` says.
+/// Stores `record`, calling `sent` as soon as the store command is on its way; returns what
+/// became of it (`event` when it is stored).
 pub(crate) async fn store_then(
     mut run: Box<Run>,
     record: &[u8],
     event: Event,
     instead: Instead<'_>,
     sent: impl FnOnce(),
-) {
+) -> Event {
     let started = Instant::now();
     let fence = run.guard.fence();
     let stored = {
@@ -318,4 +331,5 @@ pub(crate) async fn store_then(
     };
     store_latency("complete", started.elapsed());
     count(event);
+    event
 }

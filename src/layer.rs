@@ -205,6 +205,9 @@ pub(crate) struct Config {
     pub(crate) default_outcome: Arc<DefaultOutcome>,
     pub(crate) unknown_outcome: UnknownOutcome,
     pub(crate) cancel_on_disconnect: bool,
+    /// Whether the handler's writes commit with its outcome, in the transaction the layer
+    /// opens (the Postgres store).
+    pub(crate) same_transaction: bool,
     pub(crate) replay_headers: ReplayHeaders,
     pub(crate) fail_open: bool,
     pub(crate) cover_unmatched: bool,
@@ -264,6 +267,7 @@ impl std::fmt::Debug for Config {
             .field("retry_after", &self.retry_after)
             .field("unknown_outcome", &self.unknown_outcome)
             .field("cancel_on_disconnect", &self.cancel_on_disconnect)
+            .field("same_transaction", &self.same_transaction)
             .field("replay_headers", &self.replay_headers)
             .field("fail_open", &self.fail_open)
             .field("cover_unmatched", &self.cover_unmatched)
@@ -344,6 +348,7 @@ impl IdempotencyLayer {
             default_outcome: Arc::new(default_outcome),
             unknown_outcome: UnknownOutcome::default(),
             cancel_on_disconnect: false,
+            same_transaction: false,
             replay_headers: ReplayHeaders::default_deny(),
             fail_open: false,
             cover_unmatched: false,
@@ -409,6 +414,7 @@ pub struct IdempotencyLayerBuilder {
     default_outcome: Arc<DefaultOutcome>,
     unknown_outcome: UnknownOutcome,
     cancel_on_disconnect: bool,
+    same_transaction: bool,
     replay_headers: ReplayHeaders,
     fail_open: bool,
     cover_unmatched: bool,
@@ -975,6 +981,48 @@ impl IdempotencyLayerBuilder {
         self
     }
 
+    /// Exactly once for database work (the Postgres store, feature `postgres`): the layer opens
+    /// a transaction for each execution and gives it to the handler ([`Transaction`], an axum
+    /// extractor), the handler does its writes in it, and the layer stores the outcome in that
+    /// same transaction and commits: the writes and the outcome commit together, or neither
+    /// does. A handler error, a panic, a retryable outcome or a process that dies before the
+    /// commit leaves nothing (the retry runs cleanly); a process that dies after it leaves the
+    /// outcome (the retry gets the replay). The response goes out once the commit is confirmed
+    /// (a streamed body is gathered first, up to the record limit): a client is never told of
+    /// work that did not commit. While the transaction is open it holds the key's row locked:
+    /// a duplicate is told the key is in flight at once (409, or waits without holding a
+    /// connection). Refused at build on another store.
+    ///
+    /// [`Transaction`]: crate::Transaction
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use axum::{Router, routing::post};
+    /// use tower_idempotency::{IdempotencyLayer, Store, Transaction, key};
+    ///
+    /// async fn apply(tx: Transaction) -> Result<&'static str, String> {
+    ///     tx.execute("INSERT INTO ledger (event, amount) VALUES ('evt_1', 5)", &[])
+    ///         .await
+    ///         .map_err(|e| e.to_string())?;
+    ///     Ok("applied") // committed with its outcome by the layer
+    /// }
+    /// let store = Store::postgres("postgres://app@127.0.0.1/app", "idempotency")?;
+    /// store.prepare().await?;
+    /// let layer = IdempotencyLayer::builder(store)
+    ///     .secret(std::env::var("IDEMPOTENCY_SECRET")?)?
+    ///     .key(key::json("/id")?)
+    ///     .same_transaction(true)
+    ///     .build()?;
+    /// let app: Router = Router::new().route("/events", post(apply).route_layer(layer));
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "postgres")]
+    pub fn same_transaction(mut self, on: bool) -> Self {
+        self.same_transaction = on;
+        self
+    }
+
     /// Which response headers are stored and replayed (default [`ReplayHeaders::default_deny`]),
     /// trailers included; a gRPC call's status trailers (`grpc-status`, `grpc-message`,
     /// `grpc-status-details-bin`) are kept whatever it says. The policy in force at replay
@@ -1207,6 +1255,15 @@ impl IdempotencyLayerBuilder {
                 );
             }
         }
+        if self.same_transaction && !store.client().supports_transactions() {
+            return invalid(
+                "same_transaction",
+                format!(
+                    "{} cannot hold a transaction for the handler: use the Postgres store",
+                    store.describe()
+                ),
+            );
+        }
         let seal = store.client().memory_limits().is_none();
         let html: Option<Arc<RenderHtml>> = match (self.html, &self.rendering) {
             (HtmlPages::Custom(render), _) => Some(render),
@@ -1240,6 +1297,7 @@ impl IdempotencyLayerBuilder {
                 default_outcome: self.default_outcome,
                 unknown_outcome: self.unknown_outcome,
                 cancel_on_disconnect: self.cancel_on_disconnect,
+                same_transaction: self.same_transaction,
                 replay_headers: self.replay_headers,
                 fail_open: self.fail_open,
                 cover_unmatched: self.cover_unmatched,

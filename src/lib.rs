@@ -248,6 +248,8 @@ mod secret;
 mod service;
 mod store;
 mod tee;
+#[cfg(feature = "postgres")]
+mod transaction;
 
 pub use body::{BoxError, RequestBody, ResponseBody};
 pub use context::IdempotencyContext;
@@ -268,6 +270,10 @@ pub use replay::IDEMPOTENT_REPLAYED;
 pub use secret::MIN_SECRET_LEN;
 pub use service::Idempotency;
 pub use store::{DEFAULT_PREFIX, Store};
+#[cfg(all(feature = "postgres", feature = "axum"))]
+pub use transaction::MissingTransaction;
+#[cfg(feature = "postgres")]
+pub use transaction::Transaction;
 
 #[cfg(feature = "internals")]
 #[doc(hidden)]

@@ -25,6 +25,15 @@ pub(crate) struct Run {
     /// this is dropped, nothing stored under them.
     #[expect(dead_code, reason = "held for their drop, which releases them")]
     pub(crate) previous: Vec<Held>,
+    /// (Same-transaction mode) The handler's transaction, kept open until the outcome is
+    /// stored in it and committed (or it is rolled back): the handler may have let go of its
+    /// own handle.
+    #[cfg(feature = "postgres")]
+    #[expect(
+        dead_code,
+        reason = "held so that the transaction lives until the completion"
+    )]
+    pub(crate) transaction: Option<distlock::postgres::Transaction>,
     pub(crate) fingerprint: [u8; 32],
     /// The AES-256-GCM key of the record (derived from the raw key, its scope and the secret);
     /// `None` on the in-memory store, which keeps records in clear (see `record::seal`).

@@ -92,6 +92,32 @@ impl Store {
         ))
     }
 
+    /// (Feature `postgres`) A PostgreSQL database at `url`
+    /// (`postgres://user:password@host:port/database`), shared by every instance, with its
+    /// leases and outcomes in `table` (created by [`prepare`](Self::prepare) if missing), through
+    /// a pool of up to 16 connections. Outcomes are stored whole at the end (as on Redlock).
+    /// With [`same_transaction`](crate::IdempotencyLayerBuilder::same_transaction) a handler's
+    /// writes commit with its outcome. Must be called inside a Tokio runtime.
+    ///
+    /// # Errors
+    /// If `url` is not a PostgreSQL URL, or `table` not a table name.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = tower_idempotency::Store::postgres("postgres://app@127.0.0.1/app", "idempotency")?;
+    /// store.prepare().await?; // the table and its function
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "postgres")]
+    pub fn postgres(url: &str, table: &str) -> Result<Self, ConfigError> {
+        Ok(Self::from_client(
+            LockClient::builder()
+                .prefix(DEFAULT_PREFIX)?
+                .connect_postgres(url, table)?,
+        ))
+    }
+
     /// A store on a lock client you built (a cluster or Sentinel connection, another prefix).
     ///
     /// ```

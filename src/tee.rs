@@ -61,6 +61,9 @@ pub(crate) async fn tee<B, E>(
     let body = Announced::new(body, &parts);
     let announced = body.left();
     let mut body = pin!(body);
+    if run.config.same_transaction {
+        return after_commit(run, parts, body, keep, reply).await;
+    }
     let mut early: Vec<Frame<Bytes>> = Vec::new();
     let mut early_len = 0;
     let failed = loop {
@@ -394,6 +397,56 @@ impl Sink {
             }
         }
     }
+}
+
+/// (Same-transaction mode) The whole body, its outcome stored with the handler's writes in one
+/// commit, and only then sent: a client is never told of work that did not commit. A body
+/// that breaks off, or a commit that fails, rolls the writes back: the client is told to retry.
+async fn after_commit<A, B, E>(
+    run: Box<Run>,
+    parts: http::response::Parts,
+    mut body: Pin<&mut A>,
+    keep: bool,
+    reply: oneshot::Sender<Finished<B, E>>,
+) where
+    A: Body<Data = Bytes, Error = BoxError>,
+{
+    let config = run.config.clone();
+    let refused = || {
+        config.problem(&crate::Rejection::StoreUnavailable {
+            retry_after: config.retry_after,
+        })
+    };
+    let mut frames = Vec::new();
+    loop {
+        match poll_fn(|cx| poll_frame(body.as_mut(), cx)).await {
+            None => break,
+            Some(Ok(frame)) => frames.push(frame),
+            Some(Err(error)) => {
+                tracing::warn!(%error, "idempotency: the response body broke off");
+                complete::unknown(run, "the response body broke off").await;
+                let _ = reply.send(Finished::Response(refused()));
+                return;
+            }
+        }
+    }
+    let (data, trailers) = whole(frames);
+    let kept = keep && data.len() <= run.config.record_limit;
+    let record = complete::whole(
+        &run,
+        parts.status,
+        &parts.headers,
+        kept.then_some(&data[..]),
+        trailers.as_ref(),
+    );
+    let instead = complete::Instead::ItsHead;
+    let stored = complete::store_then(run, &record, Event::Executed, instead, || {}).await;
+    let response = if stored == Event::Executed {
+        Response::from_parts(parts, ResponseBody::full(data, trailers))
+    } else {
+        refused()
+    };
+    let _ = reply.send(Finished::Response(response));
 }
 
 /// The next frame if the body has one ready now (`Some(None)`: the body ended); `None` when it

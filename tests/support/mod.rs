@@ -4,7 +4,8 @@
 #![allow(dead_code, unreachable_pub, unused_macros)]
 
 /// Defines, for each scenario `async fn name(s: TestStore)` of the including file, a test on
-/// the memory store (`memory::name`) and one on a real Redis (`redis::name`). The file declares
+/// the memory store (`memory::name`), one on a real Redis (`redis::name`) and, with the
+/// `postgres` feature, one on a real PostgreSQL (`postgres::name`). The file declares
 /// `#[macro_use] mod support;` and has `TestStore` in scope.
 macro_rules! both_stores {
     ($($name:ident),* $(,)?) => {
@@ -21,6 +22,15 @@ macro_rules! both_stores {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
                     super::$name(super::TestStore::redis(stringify!($name)).await).await;
+                }
+            )*
+        }
+        #[cfg(feature = "postgres")]
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::TestStore::postgres(stringify!($name)).await).await;
                 }
             )*
         }
@@ -583,10 +593,13 @@ pub fn post_key(path: &str, key: &str, body: &str) -> Request<Body> {
         .unwrap()
 }
 
-/// A store on memory, or on a real Redis with a prefix of its own.
+/// A store on memory, on a real Redis with a prefix of its own, or on a real PostgreSQL with a
+/// table of its own.
 pub struct TestStore {
     pub store: Store,
     pub server: Option<RedisServer>,
+    /// The PostgreSQL URL and table, for the Postgres store.
+    pub postgres: Option<(String, String)>,
 }
 
 impl TestStore {
@@ -594,6 +607,7 @@ impl TestStore {
         TestStore {
             store: Store::memory(),
             server: None,
+            postgres: None,
         }
     }
 
@@ -609,6 +623,7 @@ impl TestStore {
         TestStore {
             store: Store::from_client(client),
             server: None,
+            postgres: None,
         }
     }
 
@@ -639,15 +654,32 @@ impl TestStore {
         TestStore {
             store: Store::from_client(client),
             server: None,
+            postgres: None,
         }
     }
 
     /// The store of a second instance: the same in-memory store, or another client of the same
     /// Redis under the same prefix.
     pub async fn twin(&self) -> Store {
+        #[cfg(feature = "postgres")]
+        if let Some((url, table)) = &self.postgres {
+            return postgres_store(url, table).await;
+        }
         match &self.server {
             None => self.store.clone(),
             Some(server) => redis_store(&server.url(), self.store.client().prefix()).await,
+        }
+    }
+
+    /// A store on the test binary's PostgreSQL, in a table of its own.
+    #[cfg(feature = "postgres")]
+    pub async fn postgres(test: &str) -> Self {
+        let server = testkit::PostgresServer::shared().await;
+        let table = testkit::unique_table(test);
+        TestStore {
+            store: postgres_store(&server.url(), &table).await,
+            server: None,
+            postgres: Some((server.url(), table)),
         }
     }
 
@@ -657,8 +689,17 @@ impl TestStore {
         TestStore {
             store,
             server: Some(server),
+            postgres: None,
         }
     }
+}
+
+/// A store on the PostgreSQL at `url`, in `table` (made if missing).
+#[cfg(feature = "postgres")]
+pub async fn postgres_store(url: &str, table: &str) -> Store {
+    let store = Store::postgres(url, table).unwrap();
+    store.prepare().await.expect("postgres answers");
+    store
 }
 
 /// A store on the Redis at `url`, connected and with its scripts loaded.

@@ -865,11 +865,11 @@ async fn an_operator_inspects_purges_and_scans(store: Store) {
         g.complete(b"x").await.unwrap();
     }
     assert_eq!(
-        client.scan("order.*").await.unwrap(),
+        scanner.scan("order.*").await.unwrap(),
         ["order.7", "order.8"]
     );
-    assert_eq!(client.scan("*").await.unwrap().len(), 3);
-    assert_eq!(client.scan("nothing*").await.unwrap(), Vec::<String>::new());
+    assert_eq!(scanner.scan("*").await.unwrap().len(), 3);
+    assert_eq!(scanner.scan("nothing*").await.unwrap(), Vec::<String>::new());
 
     assert_eq!(once.purge().await.unwrap(), Purged::Deleted);
     assert!(once.inspect().await.unwrap().is_absent());
