@@ -869,7 +869,10 @@ async fn an_operator_inspects_purges_and_scans(store: Store) {
         ["order.7", "order.8"]
     );
     assert_eq!(scanner.scan("*").await.unwrap().len(), 3);
-    assert_eq!(scanner.scan("nothing*").await.unwrap(), Vec::<String>::new());
+    assert_eq!(
+        scanner.scan("nothing*").await.unwrap(),
+        Vec::<String>::new()
+    );
 
     assert_eq!(once.purge().await.unwrap(), Purged::Deleted);
     assert!(once.inspect().await.unwrap().is_absent());
