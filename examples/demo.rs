@@ -101,7 +101,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             .unwrap_or(0)
     );
 
-    let store = env::store()?;
+    let store = env::store().await?;
     let secret = env::secret(&store)?;
     let users = signup_app::Users::with_work(work);
     let addr = serve(signup_app::app(store.clone(), &secret, users.clone())?).await?;

@@ -30,7 +30,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let bind: std::net::SocketAddr = std::env::var("BIND")
         .unwrap_or_else(|_| "127.0.0.1:50051".into())
         .parse()?;
-    let store = env::store()?;
+    let store = env::store().await?;
     let secret = env::secret(&store)?;
     let ledger = Ledger::with_work(Duration::from_millis(100));
     let server = tonic::transport::Server::builder()

@@ -47,7 +47,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .init();
 
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
-    let store = env::store()?;
+    let store = env::store().await?;
     let secret = env::secret(&store)?;
     let layer = IdempotencyLayer::builder(store.clone())
         .secret(&secret)?

@@ -28,7 +28,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .init();
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
-    let store = env::store()?;
+    let store = env::store().await?;
     let secret = env::secret(&store)?;
     let users = signup_app::Users::with_work(Duration::from_millis(300));
     let protected = std::env::var("IDEMPOTENCY").map_or(true, |v| v != "off");

@@ -171,7 +171,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
         .init();
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
-    let store = env::store()?;
+    let store = env::store().await?;
     let secret = env::secret(&store)?;
     let model = Model::default();
     let listener = tokio::net::TcpListener::bind(&bind).await?;

@@ -15,6 +15,9 @@
 //! `REDIS_URL` (a shared store for several instances), `IDEMPOTENCY_SECRET` (the same on every
 //! instance), `WEBHOOK_SECRET` (the endpoint's signing secret), `BIND` (127.0.0.1:3000) and
 //! `WORK_MS` (how long applying a payment takes, 500 by default) come from the environment.
+//! With `DATABASE_URL` (and `--features postgres`) the ledger is the table `ledger` of that
+//! database, and each entry commits with its event's outcome in one transaction: killed at any
+//! moment, the service never applies an event twice.
 
 #[path = "shared/env.rs"]
 mod env;
@@ -34,7 +37,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok(ms) => Duration::from_millis(ms.parse().map_err(|e| format!("WORK_MS={ms:?}: {e}"))?),
         Err(_) => Duration::from_millis(500),
     };
-    let store = env::store()?;
+    let store = env::store().await?;
     let secret = env::secret(&store)?;
     let webhook_secret = match std::env::var("WEBHOOK_SECRET") {
         Ok(s) if !s.is_empty() => s,
@@ -46,12 +49,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             s
         }
     };
-    let app = webhook_app::app(
-        store.clone(),
-        &secret,
-        webhook_secret.as_bytes(),
-        webhook_app::Ledger::with_work(work),
-    )?;
+    let ledger = match env::database_url()? {
+        #[cfg(feature = "postgres")]
+        Some(url) => webhook_app::Ledger::postgres(&url, "ledger", work).await?,
+        _ => webhook_app::Ledger::with_work(work),
+    };
+    let app = webhook_app::app(store.clone(), &secret, webhook_secret.as_bytes(), ledger)?;
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     println!(
         "Stripe webhook receiver on http://{}/webhooks/stripe (idempotency store: {})",

@@ -65,6 +65,17 @@ mod extract {
         }
     }
 
+    impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for Transaction {
+        type Rejection = std::convert::Infallible;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _state: &S,
+        ) -> Result<Option<Self>, Self::Rejection> {
+            Ok(parts.extensions.get::<Transaction>().cloned())
+        }
+    }
+
     impl<S: Send + Sync> FromRequestParts<S> for Transaction {
         type Rejection = MissingTransaction;
 

@@ -100,7 +100,7 @@ async fn every_payment_event_is_applied_once(s: TestStore) {
     for t in tasks {
         t.await.unwrap();
     }
-    let entries = ledger.entries();
+    let entries = ledger.entries().await;
     assert_eq!(entries.len(), 10, "one ledger entry per event: {entries:?}");
     let total: u64 = entries.iter().map(|e| e.amount).sum();
     assert_eq!(

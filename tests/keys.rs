@@ -209,8 +209,8 @@ async fn receivers(
     (ledger, addrs)
 }
 
-fn applied(ledger: &webhook_app::Ledger, id: &str) -> Vec<u64> {
-    (ledger.entries().into_iter())
+async fn applied(ledger: &webhook_app::Ledger, id: &str) -> Vec<u64> {
+    (ledger.entries().await.into_iter())
         .filter(|e| e.event == id)
         .map(|e| e.amount)
         .collect()
@@ -237,12 +237,12 @@ async fn a_timed_out_delivery_retried_elsewhere_is_applied_once(s: TestStore) {
     let later = http(&c, a, signed(&event("evt_timeout", 1200, 2))).await;
     assert_eq!(later.status, StatusCode::OK);
     assert_eq!(later.body, retry.body);
-    assert_eq!(applied(&ledger, "evt_timeout"), [1200]);
+    assert_eq!(applied(&ledger, "evt_timeout").await, [1200]);
     // Another event type is acknowledged and ignored.
     let other = r#"{"id":"evt_other","type":"customer.created","data":{"object":{"id":"cus_1"}}}"#;
     let ack = http(&c, a, signed(other)).await;
     assert_eq!(ack.status, StatusCode::OK, "{ack:?}");
-    assert!(applied(&ledger, "evt_other").is_empty());
+    assert!(applied(&ledger, "evt_other").await.is_empty());
 }
 
 /// A forged delivery of the event arrives first (its amount changed, its signature made with
@@ -267,7 +267,7 @@ async fn a_forged_delivery_first_never_blocks_the_real_one(s: TestStore) {
     );
     assert_eq!(http(&c, a, again).await.status, StatusCode::BAD_REQUEST);
     assert_eq!(
-        applied(&ledger, "evt_forged"),
+        applied(&ledger, "evt_forged").await,
         [1500],
         "never the forged amount"
     );
@@ -288,7 +288,7 @@ async fn a_bad_signature_then_a_good_one(s: TestStore) {
     let good = http(&c, b, signed(&body)).await;
     assert_eq!(good.status, StatusCode::OK, "{good:?}");
     assert!(!good.replayed());
-    assert_eq!(applied(&ledger, "evt_sig"), [700]);
+    assert_eq!(applied(&ledger, "evt_sig").await, [700]);
 }
 
 /// A key that clients generate and send in the body is a per-request key: scoped to the

@@ -243,7 +243,7 @@ async fn deliveries_under_faults_are_applied_exactly_once() {
 
     // No event was applied twice while Redis kept its data.
     let mut applied: HashMap<String, usize> = HashMap::new();
-    for entry in ledger.entries() {
+    for entry in ledger.entries().await {
         *applied.entry(entry.event).or_default() += 1;
     }
     let doubled: Vec<_> = applied.iter().filter(|(_, n)| **n > 1).collect();
@@ -265,7 +265,7 @@ async fn deliveries_under_faults_are_applied_exactly_once() {
         }
         assert!(ok, "evt_{event} never went through");
     }
-    let entries = ledger.entries();
+    let entries = ledger.entries().await;
     assert_eq!(entries.len(), events, "every event applied exactly once");
     let expected: u64 = (0..events).map(|e| 100 + e as u64).sum();
     let paid: u64 = entries.iter().map(|e| e.amount).sum();

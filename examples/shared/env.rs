@@ -2,11 +2,36 @@
 
 use tower_idempotency::Store;
 
-/// Redis when `REDIS_URL` is set, memory otherwise.
-pub(crate) fn store() -> Result<Store, tower_idempotency::ConfigError> {
+/// The Postgres database when `DATABASE_URL` is set (feature `postgres`), else Redis when
+/// `REDIS_URL` is, memory otherwise. The Postgres store's table is made if missing.
+pub(crate) async fn store() -> Result<Store, String> {
+    if let Some(url) = database_url()? {
+        #[cfg(feature = "postgres")]
+        {
+            let store = Store::postgres(&url, "idempotency").map_err(|e| e.to_string())?;
+            store.prepare().await.map_err(|e| e.to_string())?;
+            return Ok(store);
+        }
+        #[cfg(not(feature = "postgres"))]
+        let _ = url;
+    }
     match std::env::var("REDIS_URL") {
-        Ok(url) if !url.is_empty() => Store::redis(&url),
+        Ok(url) if !url.is_empty() => Store::redis(&url).map_err(|e| e.to_string()),
         _ => Ok(Store::memory()),
+    }
+}
+
+/// `DATABASE_URL`, if set; an error if this build cannot use it.
+pub(crate) fn database_url() -> Result<Option<String>, String> {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.is_empty() => {
+            if cfg!(feature = "postgres") {
+                Ok(Some(url))
+            } else {
+                Err("DATABASE_URL is set: run with --features postgres".into())
+            }
+        }
+        _ => Ok(None),
     }
 }
 

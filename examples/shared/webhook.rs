@@ -13,6 +13,10 @@
 //! 3. `payment_intent.succeeded` is applied to the ledger once across instances; other event
 //!    types are acknowledged and ignored. Records are kept for 7 days, past Stripe's 3-day
 //!    retry window.
+//!
+//! The ledger is in memory, or (feature `postgres`, `DATABASE_URL`) a Postgres table written in
+//! the layer's transaction: the entry and the event's outcome commit together, so a process
+//! killed at any moment never applies an event twice.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -65,14 +69,20 @@ pub(crate) struct EventObject {
 pub(crate) struct Entry {
     pub(crate) event: String,
     pub(crate) amount: u64,
+    /// The fencing token of the execution that booked it.
+    #[serde(skip)]
+    pub(crate) fence: Option<u64>,
 }
 
-/// The ledger (a table in the application's database).
+/// The ledger: in memory, or a table in the application's Postgres database.
 #[derive(Clone, Default)]
 pub(crate) struct Ledger {
     inner: Arc<Mutex<LedgerState>>,
     /// Latency of applying a payment.
     pub(crate) work: Duration,
+    /// The Postgres table, and a connection to read it (and write it outside a transaction).
+    #[cfg(feature = "postgres")]
+    pub(crate) table: Option<(Arc<tokio_postgres::Client>, String)>,
 }
 
 #[derive(Default)]
@@ -87,11 +97,80 @@ impl Ledger {
         Ledger {
             inner: Arc::default(),
             work,
+            #[cfg(feature = "postgres")]
+            table: None,
         }
     }
 
-    pub(crate) fn entries(&self) -> Vec<Entry> {
+    /// The ledger in `table` of the database at `url` (made if missing).
+    #[cfg(feature = "postgres")]
+    pub(crate) async fn postgres(url: &str, table: &str, work: Duration) -> Result<Self, String> {
+        let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .map_err(|e| format!("cannot connect to {url}: {e}"))?;
+        tokio::spawn(connection);
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE IF NOT EXISTS {table} (id bigserial PRIMARY KEY, event text NOT NULL, \
+                 amount bigint NOT NULL, fence bigint)"
+            ))
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(Ledger {
+            inner: Arc::default(),
+            work,
+            table: Some((Arc::new(client), table.to_owned())),
+        })
+    }
+
+    /// Every applied entry, in the order applied.
+    pub(crate) async fn entries(&self) -> Vec<Entry> {
+        #[cfg(feature = "postgres")]
+        if let Some((client, table)) = &self.table {
+            let rows = client
+                .query(
+                    &format!("SELECT event, amount, fence FROM {table} ORDER BY id"),
+                    &[],
+                )
+                .await
+                .unwrap_or_default();
+            return rows
+                .iter()
+                .map(|row| Entry {
+                    event: row.get(0),
+                    amount: row.get::<_, i64>(1) as u64,
+                    fence: row.get::<_, Option<i64>>(2).map(|f| f as u64),
+                })
+                .collect();
+        }
         self.inner.lock().unwrap().entries.clone()
+    }
+
+    /// Books a payment: in the layer's transaction when there is one (it commits with the
+    /// event's outcome), else in the ledger's own store.
+    async fn book(
+        &self,
+        event: &str,
+        amount: u64,
+        fence: Option<u64>,
+        #[cfg(feature = "postgres")] tx: Option<&tower_idempotency::Transaction>,
+    ) -> Result<(), String> {
+        #[cfg(feature = "postgres")]
+        if let Some((client, table)) = &self.table {
+            let insert = format!("INSERT INTO {table} (event, amount, fence) VALUES ($1, $2, $3)");
+            let fence = fence.map(|f| f as i64);
+            let amount = amount as i64;
+            let client: &tokio_postgres::Client = match tx {
+                Some(tx) => tx,
+                None => client,
+            };
+            return client
+                .execute(&insert, &[&event, &amount, &fence])
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string());
+        }
+        self.apply(event, amount, fence).map_err(str::to_owned)
     }
 
     /// Books a payment, refusing a write fenced with a token lower than one already seen for
@@ -108,6 +187,7 @@ impl Ledger {
         state.entries.push(Entry {
             event: event.to_owned(),
             amount,
+            fence,
         });
         Ok(())
     }
@@ -204,6 +284,7 @@ async fn verify_signature(
 async fn stripe_webhook(
     State(ledger): State<Ledger>,
     ctx: Option<IdempotencyContext>,
+    #[cfg(feature = "postgres")] tx: Option<tower_idempotency::Transaction>,
     Json(event): Json<Event>,
 ) -> Result<Json<serde_json::Value>, (StatusCode, String)> {
     if event.kind != "payment_intent.succeeded" {
@@ -219,19 +300,29 @@ async fn stripe_webhook(
     // sender that times out in the second half leaves a booked payment behind.
     tokio::time::sleep(ledger.work / 2).await;
     let fence = ctx.as_ref().and_then(IdempotencyContext::fence);
-    let booked = ledger.apply(&event.id, amount, fence);
+    let booked = ledger
+        .book(
+            &event.id,
+            amount,
+            fence,
+            #[cfg(feature = "postgres")]
+            tx.as_ref(),
+        )
+        .await;
     tokio::time::sleep(ledger.work / 2).await;
     match booked {
         Ok(()) => Ok(Json(serde_json::json!({
             "received": true,
             "payment_intent": event.data.object.id,
+            // The execution that booked it (the ledger entry carries it too).
+            "fence": fence,
         }))),
-        Err(why) => Err((StatusCode::CONFLICT, why.into())),
+        Err(why) => Err((StatusCode::CONFLICT, why)),
     }
 }
 
 async fn show(State(ledger): State<Ledger>) -> Json<Vec<Entry>> {
-    Json(ledger.entries())
+    Json(ledger.entries().await)
 }
 
 /// The webhook service: deliveries are verified, then deduplicated by event id.
@@ -241,6 +332,8 @@ pub(crate) fn app(
     webhook_secret: &[u8],
     ledger: Ledger,
 ) -> Result<Router, tower_idempotency::ConfigError> {
+    #[cfg(feature = "postgres")]
+    let in_transaction = ledger.table.is_some() && store.client().supports_transactions();
     let layer = IdempotencyLayer::builder(store)
         .secret(secret)?
         // The event id names the event: global, and the one thing that identifies a delivery.
@@ -248,8 +341,11 @@ pub(crate) fn app(
         .identity(Identity::Key)
         // A redelivery while the first still runs waits for it and gets its answer.
         .on_conflict(OnConflict::Wait(Duration::from_secs(10)))
-        .retention(RETENTION)
-        .build()?;
+        .retention(RETENTION);
+    // With the ledger in the store's database: booked in the layer's transaction.
+    #[cfg(feature = "postgres")]
+    let layer = layer.same_transaction(in_transaction);
+    let layer = layer.build()?;
     let signing = SigningSecret(Arc::new(webhook_secret.to_vec()));
     Ok(Router::new()
         .route(
