@@ -96,6 +96,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         "  rows for {phone}: {}\n",
         bare_users
             .count_by_phone()
+            .await
             .get(&phone)
             .copied()
             .unwrap_or(0)
@@ -119,7 +120,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         "  a retry afterwards: {status}{}",
         if replayed { " (replayed)" } else { "" }
     );
-    let rows = users.count_by_phone().get(&phone).copied().unwrap_or(0);
+    let rows = users
+        .count_by_phone()
+        .await
+        .get(&phone)
+        .copied()
+        .unwrap_or(0);
     println!("  rows for {phone}: {rows}");
 
     let created = tally.get("201").copied().unwrap_or(0);

@@ -8,6 +8,8 @@
 //! IDEMPOTENCY_SECRET=$(head -c32 /dev/urandom | base64) # the same on every instance
 //! REDIS_URL=redis://127.0.0.1:6379/ BIND=127.0.0.1:3001 cargo run --example signup
 //! IDEMPOTENCY=off cargo run --example signup                 # no layer: see the duplicates
+//! DATABASE_URL=postgres://... cargo run --example signup --features postgres
+//!                     # users in the table `users`, inserted in the layer's transaction
 //! curl -i -X POST localhost:3000/signup -H 'content-type: application/json' \
 //!      -d '{"phone":"+15550100","name":"Ada"}'
 //! ```
@@ -30,7 +32,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
     let store = env::store().await?;
     let secret = env::secret(&store)?;
-    let users = signup_app::Users::with_work(Duration::from_millis(300));
+    let work = Duration::from_millis(300);
+    let users = match env::database_url()? {
+        #[cfg(feature = "postgres")]
+        Some(url) => signup_app::Users::postgres(&url, "users", work).await?,
+        _ => signup_app::Users::with_work(work),
+    };
     let protected = std::env::var("IDEMPOTENCY").map_or(true, |v| v != "off");
     let app = if protected {
         signup_app::app(store.clone(), &secret, users)?

@@ -319,10 +319,10 @@ async fn a_double_click_two_tabs_and_a_resubmission_each_create_one_account() {
     assert_eq!(posts.load(Ordering::SeqCst), before_tabs + 2);
 
     browser.close().await.unwrap();
-    let counts = users.count_by_phone();
+    let counts = users.count_by_phone().await;
     assert_eq!(counts.get("+15550100"), Some(&1), "{counts:?}");
     assert_eq!(counts.get("+15550199"), Some(&1), "{counts:?}");
-    assert_eq!(users.rows().len(), 2, "{:?}", users.rows());
+    assert_eq!(users.rows().await.len(), 2, "{:?}", users.rows().await);
 }
 
 /// The form over plain HTTP: each render has its own key; the post answers 303 to the account;
@@ -370,7 +370,7 @@ async fn the_form_posts_redirect_and_replay_without_a_browser() {
     )
     .await;
     assert!(String::from_utf8_lossy(&result.body).contains(r#"id="count">1<"#));
-    assert_eq!(users.rows().len(), 1);
+    assert_eq!(users.rows().await.len(), 1);
 
     let json = send(
         &app,
@@ -381,5 +381,5 @@ async fn the_form_posts_redirect_and_replay_without_a_browser() {
     )
     .await;
     assert_eq!(json.status, StatusCode::CREATED);
-    assert_eq!(users.rows().len(), 2);
+    assert_eq!(users.rows().await.len(), 2);
 }

@@ -84,7 +84,7 @@ async fn a_misspelt_signup_corrected_makes_one_account(s: TestStore) {
     let fixed = http(&c, b, signup(&ada(phone))).await;
     assert_eq!(fixed.status, StatusCode::CREATED, "{fixed:?}");
     assert!(!fixed.replayed());
-    assert_eq!(users.count_by_phone().get(phone), Some(&1));
+    assert_eq!(users.count_by_phone().await.get(phone), Some(&1));
 }
 
 /// Another person with a registered phone number reaches the application and gets its answer;
@@ -108,8 +108,8 @@ async fn another_person_with_a_registered_phone_gets_the_apps_answer(s: TestStor
     assert_eq!(resend.status, StatusCode::CREATED, "{resend:?}");
     assert!(resend.replayed());
     assert_eq!(resend.body, first.body);
-    assert_eq!(users.count_by_phone().get(phone), Some(&1));
-    assert_eq!(users.rows().len(), 1);
+    assert_eq!(users.count_by_phone().await.get(phone), Some(&1));
+    assert_eq!(users.rows().await.len(), 1);
 }
 
 /// Twelve identical submits at once, to two instances: one account; the others get the layer's
@@ -133,7 +133,7 @@ async fn twelve_identical_signups_at_once_make_one_account(s: TestStore) {
         }
     }
     assert!(created >= 1);
-    assert_eq!(users.count_by_phone().get(phone), Some(&1));
+    assert_eq!(users.count_by_phone().await.get(phone), Some(&1));
     // Different people about one phone at once: one runs, the rest wait their turn or get 409.
     let phone = "+15550104";
     let tasks: Vec<_> = (0..6)
@@ -151,7 +151,7 @@ async fn twelve_identical_signups_at_once_make_one_account(s: TestStore) {
         );
     }
     assert_eq!(
-        users.count_by_phone().get(phone),
+        users.count_by_phone().await.get(phone),
         Some(&1),
         "check-then-insert never raced"
     );
@@ -436,7 +436,7 @@ async fn a_refusal_is_a_page_for_a_browser_and_json_for_an_api_client(s: TestSto
     // The first submission's resend is still its redirect; one account.
     let resend = http(&c, b, form("Ada", BROWSER_ACCEPT)).await;
     assert_eq!(resend.status, StatusCode::SEE_OTHER);
-    assert_eq!(users.rows().len(), 1);
+    assert_eq!(users.rows().await.len(), 1);
     // A form the app refuses (a malformed phone) holds nothing: corrected, it runs.
     let bad = Request::post("/signup/form")
         .header("content-type", "application/x-www-form-urlencoded")
@@ -456,7 +456,7 @@ async fn a_refusal_is_a_page_for_a_browser_and_json_for_an_api_client(s: TestSto
         ))
         .unwrap();
     assert_eq!(http(&c, b, corrected).await.status, StatusCode::SEE_OTHER);
-    assert_eq!(users.rows().len(), 2);
+    assert_eq!(users.rows().await.len(), 2);
 }
 
 both_stores!(

@@ -46,12 +46,17 @@ pub(crate) struct User {
     pub(crate) fence: Option<u64>,
 }
 
-/// The "users table". Rows are never deduplicated here: that is the layer's job.
+/// The users table: in memory, or (feature `postgres`, `DATABASE_URL`) a Postgres table
+/// written in the layer's transaction. Rows are never deduplicated here (no unique constraint
+/// on the phone number): that is the layer's job.
 #[derive(Clone, Default)]
 pub(crate) struct Users {
     rows: Arc<Mutex<Vec<User>>>,
     /// Simulated latency of the insert (the window in which duplicates race).
     pub(crate) work: Duration,
+    /// The Postgres table, and a connection to read it (and write it outside a transaction).
+    #[cfg(feature = "postgres")]
+    pub(crate) table: Option<(Arc<tokio_postgres::Client>, String)>,
 }
 
 impl Users {
@@ -59,17 +64,59 @@ impl Users {
         Users {
             rows: Arc::default(),
             work,
+            #[cfg(feature = "postgres")]
+            table: None,
         }
     }
 
-    pub(crate) fn rows(&self) -> Vec<User> {
+    /// The users in `table` of the database at `url` (made if missing).
+    #[cfg(feature = "postgres")]
+    pub(crate) async fn postgres(url: &str, table: &str, work: Duration) -> Result<Self, String> {
+        let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .map_err(|e| format!("cannot connect to {url}: {e}"))?;
+        tokio::spawn(connection);
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE IF NOT EXISTS {table} (id bigserial PRIMARY KEY, phone text NOT NULL, \
+                 name text NOT NULL, fence bigint)"
+            ))
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(Users {
+            rows: Arc::default(),
+            work,
+            table: Some((Arc::new(client), table.to_owned())),
+        })
+    }
+
+    pub(crate) async fn rows(&self) -> Vec<User> {
+        #[cfg(feature = "postgres")]
+        if let Some((client, table)) = &self.table {
+            let rows = client
+                .query(
+                    &format!("SELECT id, phone, name, fence FROM {table} ORDER BY id"),
+                    &[],
+                )
+                .await
+                .unwrap_or_default();
+            return rows
+                .iter()
+                .map(|row| User {
+                    id: row.get::<_, i64>(0) as u64,
+                    phone: row.get(1),
+                    name: row.get(2),
+                    fence: row.get::<_, Option<i64>>(3).map(|f| f as u64),
+                })
+                .collect();
+        }
         self.rows.lock().unwrap().clone()
     }
 
-    pub(crate) fn count_by_phone(&self) -> HashMap<String, usize> {
+    pub(crate) async fn count_by_phone(&self) -> HashMap<String, usize> {
         let mut out = HashMap::new();
-        for u in self.rows.lock().unwrap().iter() {
-            *out.entry(u.phone.clone()).or_default() += 1;
+        for u in self.rows().await {
+            *out.entry(u.phone).or_default() += 1;
         }
         out
     }
@@ -79,6 +126,9 @@ impl Users {
 enum Refused {
     AlreadyRegistered,
     Invalid(&'static str),
+    /// The database failed.
+    #[allow(dead_code)]
+    Failed(String),
 }
 
 /// The application's own validation: nothing is created for a signup that fails it.
@@ -105,15 +155,49 @@ async fn register(
     phone: String,
     name: String,
     ctx: Option<&IdempotencyContext>,
+    #[cfg(feature = "postgres")] tx: Option<tower_idempotency::Transaction>,
 ) -> Result<User, Refused> {
     validate(&phone, &name)?;
+    let fence = ctx.and_then(IdempotencyContext::fence);
+    #[cfg(feature = "postgres")]
+    if let Some((client, table)) = &users.table {
+        let client: &tokio_postgres::Client = match &tx {
+            Some(tx) => tx,
+            None => client,
+        };
+        let exists = client
+            .query_opt(
+                &format!("SELECT 1 FROM {table} WHERE phone = $1"),
+                &[&phone],
+            )
+            .await
+            .map_err(|e| Refused::Failed(e.to_string()))?;
+        if exists.is_some() {
+            return Err(Refused::AlreadyRegistered);
+        }
+        tokio::time::sleep(users.work).await;
+        let row = client
+            .query_one(
+                &format!(
+                    "INSERT INTO {table} (phone, name, fence) VALUES ($1, $2, $3) RETURNING id"
+                ),
+                &[&phone, &name, &fence.map(|f| f as i64)],
+            )
+            .await
+            .map_err(|e| Refused::Failed(e.to_string()))?;
+        return Ok(User {
+            id: row.get::<_, i64>(0) as u64,
+            phone,
+            name,
+            fence,
+        });
+    }
     let exists = users.rows.lock().unwrap().iter().any(|u| u.phone == phone);
     if exists {
         return Err(Refused::AlreadyRegistered);
     }
     // The insert, as a database runs it: once sent, it commits whether or not the client (and
     // with it this request's future) is still there.
-    let fence = ctx.and_then(IdempotencyContext::fence);
     let insert = tokio::spawn({
         let users = users.clone();
         async move {
@@ -135,15 +219,25 @@ async fn register(
 async fn signup(
     State(users): State<Users>,
     ctx: Option<IdempotencyContext>,
+    #[cfg(feature = "postgres")] tx: Option<tower_idempotency::Transaction>,
     Json(form): Json<Signup>,
 ) -> Result<(StatusCode, Json<User>), (StatusCode, String)> {
-    match register(&users, form.phone, form.name, ctx.as_ref()).await {
+    let registered = register(
+        &users,
+        form.phone,
+        form.name,
+        ctx.as_ref(),
+        #[cfg(feature = "postgres")]
+        tx,
+    );
+    match registered.await {
         Ok(user) => Ok((StatusCode::CREATED, Json(user))),
         Err(Refused::AlreadyRegistered) => Err((
             StatusCode::CONFLICT,
             "phone number already registered".into(),
         )),
         Err(Refused::Invalid(why)) => Err((StatusCode::UNPROCESSABLE_ENTITY, why.into())),
+        Err(Refused::Failed(why)) => Err((StatusCode::SERVICE_UNAVAILABLE, why)),
     }
 }
 
@@ -224,10 +318,19 @@ async fn form() -> impl IntoResponse {
 async fn form_signup(
     State(users): State<Users>,
     ctx: Option<IdempotencyContext>,
+    #[cfg(feature = "postgres")] tx: Option<tower_idempotency::Transaction>,
     Form(form): Form<FormSignup>,
 ) -> Response {
     let (key, name, phone) = (form.key.clone(), form.name.clone(), form.phone.clone());
-    match register(&users, form.phone, form.name, ctx.as_ref()).await {
+    let registered = register(
+        &users,
+        form.phone,
+        form.name,
+        ctx.as_ref(),
+        #[cfg(feature = "postgres")]
+        tx,
+    );
+    match registered.await {
         Ok(user) => (
             StatusCode::SEE_OTHER,
             [(header::LOCATION, format!("/accounts/{}", user.id))],
@@ -247,12 +350,13 @@ async fn form_signup(
             Html(form_page(&key, &name, &phone, Some(why))),
         )
             .into_response(),
+        Err(Refused::Failed(why)) => (StatusCode::SERVICE_UNAVAILABLE, why).into_response(),
     }
 }
 
 /// `GET /accounts/{id}`: the result page.
 async fn account(State(users): State<Users>, Path(id): Path<u64>) -> Response {
-    let rows = users.rows();
+    let rows = users.rows().await;
     let Some(user) = rows.iter().find(|u| u.id == id) else {
         return (
             StatusCode::NOT_FOUND,
@@ -278,7 +382,7 @@ async fn account(State(users): State<Users>, Path(id): Path<u64>) -> Response {
 }
 
 async fn list(State(users): State<Users>) -> Json<Vec<User>> {
-    Json(users.rows())
+    Json(users.rows().await)
 }
 
 /// The service without any protection (for comparison).
@@ -302,18 +406,25 @@ pub(crate) fn app(
     secret: &[u8],
     users: Users,
 ) -> Result<Router, tower_idempotency::ConfigError> {
+    // With the users in the store's database: inserted in the layer's transaction.
+    #[cfg(feature = "postgres")]
+    let in_transaction = users.table.is_some() && store.client().supports_transactions();
     let by_phone = IdempotencyLayer::builder(store.clone())
         .secret(secret)?
-        .key(key::json("/phone")?.names_a_thing())
-        .build()?;
+        .key(key::json("/phone")?.names_a_thing());
+    #[cfg(feature = "postgres")]
+    let by_phone = by_phone.same_transaction(in_transaction);
+    let by_phone = by_phone.build()?;
     let by_form = IdempotencyLayer::builder(store)
         .secret(secret)?
         .key(key::form(FORM_KEY_FIELD).per_request())
         .global_keys()
         // A browser's second click cancels the first navigation and waits for its own answer:
         // give it the first submission's redirect, not a 409 page.
-        .on_conflict(OnConflict::Wait(Duration::from_secs(10)))
-        .build()?;
+        .on_conflict(OnConflict::Wait(Duration::from_secs(10)));
+    #[cfg(feature = "postgres")]
+    let by_form = by_form.same_transaction(in_transaction);
+    let by_form = by_form.build()?;
     Ok(Router::new()
         .route("/", get(form))
         .route("/signup", post(signup).route_layer(by_phone))
