@@ -266,9 +266,9 @@ async fn store(run: Box<Run>, record: &[u8], event: Event, instead: Instead<'_>)
 /// Stores `record` (completing the run) and calls `sent` as soon as the store command is on its
 /// way (sent to the store, or already answered): the response can go to the client while the
 /// store answers, the lease keeping the key until then. A command sent before the response goes
-/// out is ahead of any command the client's retry can cause on this instance's connection. A
-/// record the store refuses is replaced as `instead` says.
-/// Stores `record`, calling `sent` as soon as the store command is on its way; returns what
+/// out is ahead of any command the client's retry can cause on this instance's connection. On
+/// a store whose commands may overtake each other (a pool of connections: Postgres), `sent`
+/// waits for the answer. A record the store refuses is replaced as `instead` says. Returns what
 /// became of it (`event` when it is stored).
 pub(crate) async fn store_then(
     mut run: Box<Run>,
@@ -281,11 +281,17 @@ pub(crate) async fn store_then(
     let fence = run.guard.fence();
     let stored = {
         let mut completing = pin!(run.guard.try_complete(record));
-        let first = poll_fn(|cx| Poll::Ready(completing.as_mut().poll(cx))).await;
-        sent();
-        match first {
-            Poll::Ready(stored) => stored,
-            Poll::Pending => completing.await,
+        if run.config.store.client().sends_in_order() {
+            let first = poll_fn(|cx| Poll::Ready(completing.as_mut().poll(cx))).await;
+            sent();
+            match first {
+                Poll::Ready(stored) => stored,
+                Poll::Pending => completing.await,
+            }
+        } else {
+            let stored = completing.await;
+            sent();
+            stored
         }
     };
     let event = match stored {

@@ -21,6 +21,8 @@ struct Db {
     admin: tokio_postgres::Client,
     ledger: String,
     store: Store,
+    /// The store's table.
+    table: String,
 }
 
 async fn db(test: &str) -> Db {
@@ -42,6 +44,7 @@ async fn db(test: &str) -> Db {
         admin,
         ledger,
         store,
+        table,
     }
 }
 
@@ -238,6 +241,71 @@ async fn duplicates_never_wait_on_the_row_nor_hold_a_connection() {
 }
 
 /// Same-transaction mode needs the Postgres store: refused when built on another.
+/// Without same-transaction mode too, an answer goes out only once its record is stored: a
+/// client that reads it and sends again (a changed form, to another instance) is answered from
+/// the record. (The answer went out once the completion was handed to the pool, before a
+/// connection had even run it: another instance could find the key still held, and refuse a
+/// changed form without the first answer's link.) Here the record's row is locked by another
+/// transaction when the handler ends: the answer waits for the completion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_goes_out_once_its_record_is_stored() {
+    let db = db("stored-first").await;
+    let (open, _) = watch::channel(false);
+    let open = Arc::new(open);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::builder(db.store.clone())
+        .secret(support::SECRET)
+        .unwrap()
+        .global_keys()
+        .build()
+        .unwrap();
+    let router = Router::new().route(
+        "/pay",
+        post({
+            let (open, runs) = (open.clone(), runs.clone());
+            move || async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                open.subscribe().wait_for(|o| *o).await.unwrap();
+                (StatusCode::CREATED, "paid")
+            }
+        })
+        .route_layer(layer.clone()),
+    );
+    let (addr, _server) = serve(router).await;
+    let c = client();
+    let answer = tokio::spawn({
+        let c = c.clone();
+        async move { http(&c, addr, post_key("/pay", "k-1", "{}")).await }
+    });
+    support::wait_until("the handler runs", || runs.load(Ordering::SeqCst) == 1).await;
+    // The key's row exists (taken): lock it in a transaction of our own.
+    let (mut locker, connection) = tokio_postgres::connect(
+        &testkit::PostgresServer::shared().await.url(),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .unwrap();
+    tokio::spawn(connection);
+    let tx = locker.transaction().await.unwrap();
+    let locked = tx
+        .query(&format!("SELECT name FROM {} FOR UPDATE", db.table), &[])
+        .await
+        .unwrap();
+    assert_eq!(locked.len(), 1, "the key's row");
+    open.send_replace(true);
+    let mut answer = answer;
+    let early = tokio::time::timeout(Duration::from_millis(300), &mut answer).await;
+    assert!(
+        early.is_err(),
+        "answered while its record could not be stored: {early:?}"
+    );
+    tx.commit().await.unwrap();
+    let answer = within("the answer", answer).await.unwrap();
+    assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
+    let key = tower_idempotency::operate::RequestKey::new(http::Method::POST, "/pay", "k-1");
+    assert_eq!(layer.inspect(&key).await.unwrap().completed.len(), 1);
+}
+
 #[tokio::test]
 async fn same_transaction_is_refused_on_another_store() {
     let err = IdempotencyLayer::builder(Store::memory())

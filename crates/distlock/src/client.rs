@@ -235,6 +235,19 @@ impl LockClient {
         self.inner.backend.supports_streaming()
     }
 
+    /// Whether a command of this client, once its future has been polled (sent), comes before
+    /// any command the client sends later: true where each server is one connection (Redis in
+    /// every mode) or there is no server (memory); false for a pool of connections (Postgres),
+    /// where a later command may run first. A caller that answers before a completion's reply
+    /// (for an earlier first byte) may do so only when this is true.
+    ///
+    /// ```
+    /// assert!(distlock::LockClient::memory().sends_in_order());
+    /// ```
+    pub fn sends_in_order(&self) -> bool {
+        self.inner.backend.sends_in_order()
+    }
+
     /// The largest run-once record this client's locks store: a record written whole
     /// ([`OnceGuard::complete`](crate::OnceGuard::complete)), or one part of a streamed one.
     /// Larger ones are refused with [`LockError::TooLarge`](crate::LockError::TooLarge)

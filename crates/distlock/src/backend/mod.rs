@@ -267,6 +267,11 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
     fn supports_streaming(&self) -> bool {
         false
     }
+    /// Whether a command sent (its future polled once) comes before any later command of this
+    /// client: see [`LockClient::sends_in_order`](crate::LockClient::sends_in_order).
+    fn sends_in_order(&self) -> bool {
+        true
+    }
     /// The bounds of an in-memory store (`None`: another store).
     fn memory_limits(&self) -> Option<MemoryLimits> {
         None

@@ -757,6 +757,11 @@ impl Backend for PostgresBackend {
         true
     }
 
+    /// A pool: a statement handed to one connection may run after a later one on another.
+    fn sends_in_order(&self) -> bool {
+        false
+    }
+
     fn max_record_len(&self, _config: &crate::LockConfig) -> usize {
         MAX_RECORD
     }
