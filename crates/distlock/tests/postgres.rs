@@ -349,3 +349,69 @@ async fn a_bad_table_name_is_refused_and_reentrant_locks_are_not_offered() {
         Err(LockError::Unsupported { .. })
     ));
 }
+
+/// A look at a row that a short statement has locked (a completion or a release being
+/// committed, another caller taking it) reports what the row holds once that statement ends,
+/// never "held" by nobody: it reported a free or completed name as held, with an empty tag,
+/// which a caller comparing tags takes for another request's (the layer answered a retry with
+/// `key-reused` while the first call's completion committed). A row locked by a bound
+/// transaction whose holder is live is still reported held at once (see
+/// `writes_commit_with_the_record_or_not_at_all`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_look_during_a_completion_sees_its_end() {
+    let table = testkit::unique_table("look-during");
+    let c = client(&table, LockConfig::default()).await;
+    let admin = admin().await;
+    // Completed: a look while the row is locked is the record.
+    let done = c.once("done").unwrap();
+    let Begin::Acquired(guard) = done.begin("fp").await.unwrap() else {
+        panic!("the lock")
+    };
+    guard.complete(b"rec").await.unwrap();
+    admin.batch_execute("BEGIN").await.unwrap();
+    admin
+        .execute(
+            &format!("SELECT 1 FROM {table} WHERE name = $1 FOR UPDATE"),
+            &[&done.name().lock_key()],
+        )
+        .await
+        .unwrap();
+    let look = tokio::spawn({
+        let done = done.clone();
+        async move { done.begin("fp").await }
+    });
+    // Released without a record: the look takes it once the row is free.
+    let freed = c.once("freed").unwrap();
+    let Begin::Acquired(guard) = freed.begin("fp").await.unwrap() else {
+        panic!("the lock")
+    };
+    assert!(guard.abort().await.unwrap());
+    admin
+        .execute(
+            &format!("SELECT 1 FROM {table} WHERE name = $1 FOR UPDATE"),
+            &[&freed.name().lock_key()],
+        )
+        .await
+        .unwrap();
+    let take = tokio::spawn({
+        let freed = freed.clone();
+        async move { freed.begin("fp").await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    admin.batch_execute("COMMIT").await.unwrap();
+    let look = tokio::time::timeout(Duration::from_secs(10), look)
+        .await
+        .expect("the look did not end within 10 s of the row's unlock")
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(&look, Begin::Done(r) if &r.first()[..] == b"rec"),
+        "{look:?}"
+    );
+    let take = tokio::time::timeout(Duration::from_secs(10), take)
+        .await
+        .expect("the take did not end within 10 s of the row's unlock")
+        .unwrap()
+        .unwrap();
+    assert!(matches!(take, Begin::Acquired(_)), "{take:?}");
+}

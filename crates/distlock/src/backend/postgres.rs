@@ -168,25 +168,57 @@ RETURNS TABLE(kind int, fence bigint, ttl_ms bigint, holder_tag bytea, rec bytea
 LANGUAGE plpgsql AS $$
 DECLARE
     r {table}%ROWTYPE;
-    now_ts timestamptz := clock_timestamp();
-    state_until timestamptz := CASE WHEN p_state_ms > 0 THEN now_ts + p_state_ms {ms} END;
+    now_ts timestamptz;
+    state_until timestamptz;
+    locked boolean;
 BEGIN
-    INSERT INTO {table} (name, token, lease_until, fence, tag, since, expires_at)
-    VALUES (p_name, p_token, now_ts + p_lease_ms {ms}, p_start + 1, p_tag, now_ts, state_until)
-    ON CONFLICT (name) DO NOTHING;
-    IF FOUND THEN
-        RETURN QUERY SELECT 1, p_start + 1, NULL::bigint, NULL::bytea, NULL::bytea;
-        RETURN;
-    END IF;
-    -- Never wait on a row a bound transaction holds: it is held.
-    SELECT * INTO r FROM {table} t WHERE t.name = p_name FOR UPDATE SKIP LOCKED;
-    IF NOT FOUND THEN
+    LOOP
+        now_ts := clock_timestamp();
+        state_until := CASE WHEN p_state_ms > 0 THEN now_ts + p_state_ms {ms} END;
+        INSERT INTO {table} (name, token, lease_until, fence, tag, since, expires_at)
+        VALUES (p_name, p_token, now_ts + p_lease_ms {ms}, p_start + 1, p_tag, now_ts,
+            state_until)
+        ON CONFLICT (name) DO NOTHING;
+        IF FOUND THEN
+            RETURN QUERY SELECT 1, p_start + 1, NULL::bigint, NULL::bytea, NULL::bytea;
+            RETURN;
+        END IF;
+        SELECT * INTO r FROM {table} t WHERE t.name = p_name FOR UPDATE SKIP LOCKED;
+        EXIT WHEN FOUND;
+        -- Another transaction has the row locked: what it holds, as committed.
         SELECT * INTO r FROM {table} t WHERE t.name = p_name;
-        RETURN QUERY SELECT 0, r.fence,
-            GREATEST(0, (EXTRACT(EPOCH FROM (r.lease_until - now_ts)) * 1000)::bigint),
-            r.tag, NULL::bytea;
-        RETURN;
-    END IF;
+        IF FOUND THEN
+            IF r.token IS NOT NULL AND r.lease_until > now_ts THEN
+                -- A live holder (a bound transaction keeps its row locked): held. Never
+                -- waited on.
+                RETURN QUERY SELECT 0, r.fence,
+                    GREATEST(0, (EXTRACT(EPOCH FROM (r.lease_until - now_ts)) * 1000)::bigint),
+                    r.tag, NULL::bytea;
+                RETURN;
+            END IF;
+            IF p_once AND r.token IS NULL AND r.record IS NOT NULL
+                AND (r.expires_at IS NULL OR r.expires_at > now_ts) THEN
+                -- Completed: a record never changes (a purge deletes it whole).
+                RETURN QUERY SELECT 2, r.fence, NULL::bigint, NULL::bytea, r.record;
+                RETURN;
+            END IF;
+            -- Free, or past its lease: the lock is a statement being committed (a completion,
+            -- a release, another caller taking it), or a holder's transaction past its lease.
+            -- Waited for, briefly; still locked after that, it is held.
+            BEGIN
+                PERFORM set_config('lock_timeout', '1000', true);
+                SELECT * INTO r FROM {table} t WHERE t.name = p_name FOR UPDATE;
+                locked := FOUND;
+            EXCEPTION WHEN lock_not_available THEN
+                RETURN QUERY SELECT 0, r.fence, 0::bigint, r.tag, NULL::bytea;
+                RETURN;
+            END;
+            now_ts := clock_timestamp();
+            state_until := CASE WHEN p_state_ms > 0 THEN now_ts + p_state_ms {ms} END;
+            EXIT WHEN locked;
+        END IF;
+        -- Deleted meanwhile (a purge, the sweep): from the start.
+    END LOOP;
     IF r.token IS NOT NULL AND r.lease_until > now_ts THEN
         IF r.token = p_token THEN
             -- The same attempt sent again: taken, with the fence it drew.
