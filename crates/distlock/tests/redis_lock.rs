@@ -1279,3 +1279,99 @@ async fn a_follower_whose_parts_were_lost_is_told_at_once() {
     }
     drop(writer);
 }
+
+/// How many times Redis has run `command` so far (`INFO commandstats`: also the commands a
+/// script or function runs).
+async fn command_calls(admin: &mut redis::aio::MultiplexedConnection, command: &str) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(admin)
+        .await
+        .unwrap();
+    let prefix = format!("cmdstat_{command}:");
+    info.lines()
+        .find(|l| l.starts_with(&prefix))
+        .and_then(|l| l.split("calls=").nth(1)?.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A completion announces itself only when someone waits for it. Nobody waiting, an execution
+/// costs Redis no `PUBLISH` (it sent one on every completion). A duplicate that found the lock
+/// held, or a reader of appended parts, is woken by the announcement, not by its polling: with
+/// polling off, it gets the record at once, long before the holder's lease would have ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_is_announced_only_when_someone_waits() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("announce");
+    let config = LockConfig::builder()
+        .lease(Duration::from_secs(60))
+        .polling(false)
+        .build()
+        .unwrap();
+    let c = client(&server, &prefix, config.clone()).await;
+    let mut admin = server.connection().await;
+    // Nobody waiting.
+    let before = command_calls(&mut admin, "publish").await;
+    for i in 0..3 {
+        let once = c.once(&format!("alone-{i}")).unwrap();
+        let Begin::Acquired(guard) = once.begin("fp").await.unwrap() else {
+            panic!("the lock")
+        };
+        guard.complete(b"done").await.unwrap();
+        assert!(matches!(once.begin("fp").await.unwrap(), Begin::Done(_)));
+    }
+    assert_eq!(
+        command_calls(&mut admin, "publish").await,
+        before,
+        "announced with nobody waiting"
+    );
+    // A duplicate waits: it is woken by the completion.
+    let once = c.once("waited").unwrap();
+    let Begin::Acquired(guard) = once.begin("fp").await.unwrap() else {
+        panic!("the lock")
+    };
+    let other = client(&server, &prefix, config).await;
+    let waiter = tokio::spawn({
+        let once = other.once("waited").unwrap();
+        async move { once.begin_wait("fp", Duration::from_secs(50)).await }
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let marked: Option<String> = admin.hget(once.name().state_key(), "w").await.unwrap();
+        if marked.is_some() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the waiter did not look within 10 s"
+        );
+        tokio::time::sleep(ms(5)).await;
+    }
+    let before = command_calls(&mut admin, "publish").await;
+    guard.complete(b"done").await.unwrap();
+    let woken = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiting duplicate was not woken within 10 s (its lease had 50 s left)")
+        .unwrap()
+        .unwrap();
+    assert!(matches!(woken, Begin::Done(r) if &r.first()[..] == b"done"));
+    assert_eq!(command_calls(&mut admin, "publish").await, before + 1);
+    // A reader of appended parts hears the end (after each part's progress).
+    let once = c.once("streamed").unwrap();
+    let Begin::Acquired(writer) = once.begin("fp").await.unwrap() else {
+        panic!("the lock")
+    };
+    writer.append(b"a").await.unwrap();
+    let mut follower = other.once("streamed").unwrap().follow(0);
+    let later = || std::time::Instant::now() + Duration::from_secs(50);
+    assert_eq!(follower.next(8, later()).await.unwrap().parts().len(), 1);
+    let reading = tokio::spawn(async move { follower.next(8, later()).await });
+    tokio::time::sleep(ms(50)).await;
+    writer.complete(b"b").await.unwrap();
+    let read = tokio::time::timeout(Duration::from_secs(10), reading)
+        .await
+        .expect("the reader was not woken within 10 s of the completion")
+        .unwrap()
+        .unwrap();
+    assert_eq!(read.parts(), &[bytes::Bytes::from_static(b"b")]);
+}

@@ -204,9 +204,29 @@ pub(crate) fn parse_attempt(name: &str, reply: Value) -> Result<Attempt, LockErr
     }
 }
 
-/// Parses the reply of `begin.lua`: [`parse_attempt`]'s replies, or `{3, length, digest}` for
-/// a record named instead of sent.
+/// Parses the reply of `begin.lua`: the fence (an integer) when taken, the record (a string)
+/// when completed in one part, else [`parse_attempt`]'s replies, or `{3, length, digest}` for a
+/// record named instead of sent.
 fn parse_begin(name: &str, reply: Value) -> Result<NodeAttempt, LockError> {
+    match reply {
+        Value::Int(fence) if fence >= 1 => {
+            return Ok(NodeAttempt::Attempt(Attempt::Acquired {
+                fence: fence as u64,
+            }));
+        }
+        Value::Int(_) | Value::Nil => {
+            return Err(LockError::protocol(
+                name,
+                format!("begin: unexpected reply {reply:?}"),
+            ));
+        }
+        Value::BulkString(record) => {
+            return Ok(NodeAttempt::Attempt(Attempt::Done {
+                record: Record::new(Bytes::from(record), 1),
+            }));
+        }
+        _ => {}
+    }
     if let Value::Array(items) = &reply
         && items.first().and_then(int) == Some(3)
     {

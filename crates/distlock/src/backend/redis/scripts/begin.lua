@@ -4,10 +4,11 @@
 --
 -- KEYS[1]  lock key: a string holding the owner token, with the lease as its expiry
 -- KEYS[2]  state key: a hash with n = fencing counter, m = the holder's tag, t = since when the
---          holder holds (ARGV[5]), d = a one-part
---          completion record, p = the part count of a complete streamed record, c = the token
---          that completed it, and (Redlock masters, records longer than they send with an
---          answer) l = the record's length, h = its SHA-1 in hex.
+--          holder holds (ARGV[5]), d = a one-part completion record, p = the part count of a
+--          complete streamed record, c = the token that completed it, q = parts were appended
+--          (append.lua), w = someone waits for the holder's end (complete.lua announces it),
+--          and (Redlock masters, records longer than they send with an answer) l = the
+--          record's length, h = its SHA-1 in hex.
 -- KEYS[3]  parts key: a list, the parts of a streamed record (absent for one-part records).
 --          All keys share one {hash tag}.
 -- ARGV[1]  owner token (unique per attempt)
@@ -18,10 +19,11 @@
 -- ARGV[6]  (Redlock masters) the largest one-part record sent with the answer, in bytes;
 --          absent: any
 --
--- Returns {2, record} when completed in one part, {3, length, SHA-1 in hex} when completed in
--- one part longer than ARGV[6] (read it with record.lua), {2, first part (nil if missing),
--- parts} when completed streamed, {1, fence} when taken, {0, pttl, tag, holder's fence, parts
--- appended} when held.
+-- Returns, the common answers bare (an array reply costs the server more than the rest of the
+-- call): the record (a string) when completed in one part; the fence (an integer) when taken.
+-- Otherwise an array: {3, length, SHA-1 in hex} when completed in one part longer than ARGV[6]
+-- (read it with record.lua), {2, first part (nil if missing), parts} when completed streamed,
+-- {0, pttl, tag, holder's fence, parts appended} when held.
 local inline = tonumber(ARGV[6])
 if inline then
   -- A large record's size and digest, stored with it (complete.lua): named without reading it.
@@ -30,42 +32,57 @@ if inline then
     return {3, tonumber(named[1]), named[2]}
   end
 end
-local state = redis.call('HMGET', KEYS[2], 'd', 'p', 'n')
+-- q: an earlier writer appended parts (append.lua), which a new writer must not inherit.
+local state = redis.call('HMGET', KEYS[2], 'd', 'p', 'n', 'q')
 if state[1] then
   if inline and #state[1] > inline then
     -- Stored without its size and digest (by an earlier version).
     return {3, #state[1], redis.sha1hex(state[1])}
   end
-  return {2, state[1]}
+  return state[1]
 end
 if state[2] then
   return {2, redis.call('LINDEX', KEYS[3], '0'), tonumber(state[2])}
 end
+-- The counter expires with the record. Started again from 0 it would hand the next run the
+-- fence of a run already stored, and parts bound to their writer's fence would be
+-- interchangeable between the two: a new counter starts from the caller's clock instead.
+-- (Below 2^53: exact as a Lua number, written back as an integer.)
+local fence = (tonumber(state[3]) or tonumber(ARGV[5])) + 1
+-- One command checks and takes. (SET NX finds any key, also a reentrant lock's hash.)
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  -- All or nothing: a state write the server refuses (a command the ACL user may not run)
+  -- gives the lock back before the error is returned, so that no lock is left behind, held by
+  -- nobody for a whole lease.
+  local written = redis.pcall('HSET', KEYS[2], 'n', string.format('%.0f', fence), 'm', ARGV[4],
+    't', ARGV[5])
+  if type(written) == 'table' and written.err then
+    redis.call('DEL', KEYS[1])
+    return written
+  end
+  written = redis.pcall('PEXPIRE', KEYS[2], ARGV[3])
+  if type(written) == 'table' and written.err then
+    redis.call('DEL', KEYS[1])
+    return written
+  end
+  if state[4] then
+    -- A writer died mid-stream: the new one starts from no parts.
+    redis.call('DEL', KEYS[3])
+    redis.call('HDEL', KEYS[2], 'q')
+  end
+  return fence
+end
 -- (pcall: a lock key of another type, a reentrant lock of the same name, is held.)
 local holder = redis.pcall('GET', KEYS[1])
-if not holder then
-  -- All or nothing: the state is written before the lock is taken, so a write that fails (a
-  -- command the ACL user may not run) leaves no lock behind, held by nobody for a whole lease.
-  -- What is written before it is harmless on its own: a raised counter (fences must increase,
-  -- not be dense), a tag shown only while someone holds the lock, the parts of a writer whose
-  -- lease is over.
-  --
-  -- The counter expires with the record. Started again from 0 it would hand the next run the
-  -- fence of a run already stored, and parts bound to their writer's fence would be
-  -- interchangeable between the two: a new counter starts from the caller's clock instead.
-  -- (Below 2^53: exact as a Lua number, written back as an integer.)
-  local fence = (tonumber(state[3]) or tonumber(ARGV[5])) + 1
-  redis.call('HSET', KEYS[2], 'n', string.format('%.0f', fence), 'm', ARGV[4], 't', ARGV[5])
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
-  -- A new writer starts from no parts (a no-op unless a writer died mid-stream).
-  redis.call('DEL', KEYS[3])
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return {1, fence}
-end
 -- The same call sent again (a cluster client resends a command whose connection broke before
 -- its reply) finds its own token: taken, with the fence it drew.
 if holder == ARGV[1] then
-  return {1, tonumber(state[3])}
+  return tonumber(state[3])
+end
+-- Someone waits: their completion or release announces itself (complete.lua). The mark lives
+-- no longer than the record would.
+if redis.call('HSET', KEYS[2], 'w', '1') == 1 and redis.call('PTTL', KEYS[2]) == -1 then
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
 end
 return {0, redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[2], 'm') or '',
   tonumber(state[3]) or 0, redis.call('LLEN', KEYS[3])}
