@@ -140,11 +140,30 @@ async fn app(variant: &str, redis_url: &str) -> Router {
         "memory-default" => routes.layer(layer(Store::memory())),
         // Ours on Valkey: the same store, another server.
         "redis" | "valkey" => routes.layer(layer(Store::redis(redis_url).unwrap())),
-        "peer" => peer_app(
+        // Ours on PostgreSQL (the URL is the database's), and in same-transaction mode: the
+        // layer opens a transaction per execution, stores the outcome in it and commits
+        // before the answer goes out (the handler writes nothing in it here: what is
+        // measured is the layer's part).
+        "postgres" | "postgres-tx" => {
+            let store = Store::postgres(redis_url, "bench_idempotency").unwrap();
+            store.prepare().await.unwrap();
+            routes.layer(
+                IdempotencyLayer::builder(store)
+                    .secret("bench secret: 32 bytes, not for real use")
+                    .unwrap()
+                    .global_keys()
+                    .same_transaction(variant == "postgres-tx")
+                    .build()
+                    .unwrap(),
+            )
+        }
+        "axum-idempotent" => peer_app(
             routes,
             Arc::new(ruts::store::moka::MokaStore::builder().build()),
         ),
-        "peer-valkey" => peer_app(routes, Arc::new(peer_redis_store(redis_url).await)),
+        "axum-idempotent-valkey" => {
+            peer_app(routes, Arc::new(peer_redis_store(redis_url).await))
+        }
         other => panic!("unknown variant {other}"),
     }
 }
@@ -170,17 +189,31 @@ fn serve(variant: &str, redis_url: &str) {
 
 // ---------------------------------------------------------------- driver side
 
+/// A server process under load: one of this binary's `--serve` variants, or a peer's server.
 struct Server {
     child: Child,
     addr: SocketAddr,
-    /// The Redis or Valkey process its store talks to, if it has one.
+    /// The store process(es) its store talks to (Redis, Valkey, the PostgreSQL postmaster and
+    /// its backends), for their CPU time.
     store_pid: Option<u32>,
 }
 
 impl Server {
-    fn start(variant: &str, redis_url: &str, store_pid: Option<u32>) -> Server {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["--serve", variant, redis_url])
+    fn start(variant: &str, store_url: &str, store_pid: Option<u32>) -> Server {
+        let mut command = Command::new(std::env::current_exe().unwrap());
+        command.args(["--serve", variant, store_url]);
+        Self::spawn(command, store_pid)
+    }
+
+    /// The `idempotent` crate's server (benches/peers/idempotent) on `store`: memory or valkey.
+    fn start_peer(binary: &std::path::Path, store: &str, url: &str, pid: Option<u32>) -> Server {
+        let mut command = Command::new(binary);
+        command.args([store, url]);
+        Self::spawn(command, pid)
+    }
+
+    fn spawn(mut command: Command, store_pid: Option<u32>) -> Server {
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -189,7 +222,9 @@ impl Server {
         std::io::BufReader::new(child.stdout.take().unwrap())
             .read_line(&mut port)
             .unwrap();
-        let addr = format!("127.0.0.1:{}", port.trim()).parse().unwrap();
+        let addr = format!("127.0.0.1:{}", port.trim())
+            .parse()
+            .unwrap_or_else(|_| panic!("a server did not print its port: {port:?}"));
         Server {
             child,
             addr,
@@ -201,6 +236,11 @@ impl Server {
     fn cpu(&self) -> Duration {
         process_cpu(&self.child.id().to_string())
     }
+
+    /// CPU time of its store so far: the process and its children (PostgreSQL's backends).
+    fn store_cpu(&self) -> Option<Duration> {
+        self.store_pid.map(tree_cpu)
+    }
 }
 
 impl Drop for Server {
@@ -210,7 +250,7 @@ impl Drop for Server {
     }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 enum Path {
     Execute,
     Replay,
@@ -234,7 +274,7 @@ fn request(addr: SocketAddr, key: &str, cookie: Option<&str>) -> http::Request<F
 
 type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
 
-/// A session cookie for the peer (it only caches for requests that carry a session).
+/// A session cookie for axum-idempotent (it only caches for requests that carry a session).
 async fn login(addr: SocketAddr) -> String {
     let mut sender = connect(addr).await;
     let req = http::Request::get(format!("http://{addr}/login"))
@@ -261,11 +301,11 @@ struct Load {
     p50_us: f64,
     p99_us: f64,
     cpu_us_per_request: f64,
-    /// CPU time of the Redis or Valkey process per request, for the variants with one.
+    /// CPU time of the store process(es) per request, for the variants with one.
     store_cpu_us_per_request: Option<f64>,
 }
 
-/// Closed-loop load at `CONCURRENCY` for the mode's window after its warm-up.
+/// Closed-loop load on `connections` connections for the mode's window after its warm-up.
 async fn load(
     mode: Mode,
     server: &Server,
@@ -277,7 +317,6 @@ async fn load(
     let start = Instant::now();
     let measure_from = start + mode.warmup;
     let end = measure_from + mode.window;
-    let cpu_before = Arc::new(std::sync::Mutex::new(None));
     let mut workers = Vec::new();
     for w in 0..connections {
         let addr = server.addr;
@@ -313,15 +352,15 @@ async fn load(
         }));
     }
     tokio::time::sleep_until(measure_from.into()).await;
-    *cpu_before.lock().unwrap() = Some(server.cpu());
-    let store_cpu = || server.store_pid.map(|pid| process_cpu(&pid.to_string()));
-    let store_before = store_cpu();
+    let cpu_before = server.cpu();
+    let store_before = server.store_cpu();
     let mut latencies = Vec::new();
     for w in workers {
         latencies.extend(w.await.unwrap());
     }
-    let cpu = server.cpu() - cpu_before.lock().unwrap().unwrap();
-    let store = store_cpu()
+    let cpu = server.cpu() - cpu_before;
+    let store = server
+        .store_cpu()
         .zip(store_before)
         .map(|(after, before)| after - before);
     let n = latencies.len() as f64;
@@ -380,18 +419,68 @@ fn process_cpu(pid: &str) -> Duration {
     Duration::from_millis(ticks * 10)
 }
 
-/// A Redis round trip here, measured with the plain redis client on one connection: the
-/// median latency of one EVALSHA, and the client's CPU time per EVALSHA (this process,
-/// otherwise idle meanwhile).
-/// Enough EVALSHAs for the 10 ms CPU clock to resolve below a microsecond per call.
-const RTT_SAMPLES: u32 = 20_000;
-
-struct Rtt {
-    latency_us: f64,
-    client_cpu_us: f64,
+/// CPU time of process `pid` and of its descendants alive now (PostgreSQL's backends), from
+/// /proc; a process gone meanwhile counts nothing.
+fn tree_cpu(pid: u32) -> Duration {
+    let stat_of = |pid: &str| -> Option<(u32, Duration)> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let fields: Vec<&str> = stat.rsplit(')').next()?.split_whitespace().collect();
+        let parent = fields.get(1)?.parse().ok()?;
+        let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+        Some((parent, Duration::from_millis(ticks * 10)))
+    };
+    let all: Vec<(u32, u32, Duration)> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let pid = name.parse().ok()?;
+            let (parent, cpu) = stat_of(&name)?;
+            Some((pid, parent, cpu))
+        })
+        .collect();
+    let mut tree = vec![pid];
+    let mut total = Duration::ZERO;
+    while let Some(p) = tree.pop() {
+        for (child, parent, cpu) in &all {
+            if *child == p {
+                total += *cpu;
+            }
+            if *parent == p {
+                tree.push(*child);
+            }
+        }
+    }
+    total
 }
 
-async fn redis_rtt(server: &RedisServer, calls: u32) -> Rtt {
+/// The network and server part of a round trip to the Redis at `port`, without a client
+/// library or an async runtime: the median of `PING`s sent and read back one at a time on a
+/// blocking socket (as `redis-cli --latency` measures it).
+fn raw_rtt_us(port: u16, calls: u32) -> f64 {
+    use std::io::{Read, Write};
+    let mut socket = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    socket.set_nodelay(true).unwrap();
+    let mut reply = [0u8; 7];
+    let mut samples = Vec::with_capacity(calls as usize);
+    for _ in 0..=calls {
+        let t = Instant::now();
+        socket.write_all(b"PING\r\n").unwrap();
+        socket.read_exact(&mut reply).unwrap();
+        samples.push(t.elapsed());
+    }
+    assert_eq!(&reply, b"+PONG\r\n");
+    samples.remove(0);
+    percentile_us(&mut samples, 50.0)
+}
+
+/// Round trips measured per round (20,000 in a bench run: a stable median).
+const RTT_SAMPLES: u32 = 20_000;
+
+/// A Redis round trip with the plain redis client on one connection, on the runtime this runs
+/// on: the median latency of one EVALSHA, in µs.
+async fn redis_rtt(server: &RedisServer, calls: u32) -> f64 {
     let mut conn = server
         .client()
         .get_multiplexed_async_connection()
@@ -400,16 +489,12 @@ async fn redis_rtt(server: &RedisServer, calls: u32) -> Rtt {
     let script = redis::Script::new("return redis.call('GET', KEYS[1])");
     let mut samples = Vec::new();
     let _: Option<String> = script.key("rtt").invoke_async(&mut conn).await.unwrap();
-    let cpu = process_cpu("self");
     for _ in 0..calls {
         let t = Instant::now();
         let _: Option<String> = script.key("rtt").invoke_async(&mut conn).await.unwrap();
         samples.push(t.elapsed());
     }
-    Rtt {
-        latency_us: percentile_us(&mut samples, 50.0),
-        client_cpu_us: (process_cpu("self") - cpu).as_secs_f64() * 1e6 / f64::from(calls),
-    }
+    percentile_us(&mut samples, 50.0)
 }
 
 // ---------------------------------------------------------------- Valkey for the peer's Redis store
@@ -558,13 +643,69 @@ impl Drop for Valkey {
     }
 }
 
-#[derive(Default)]
+#[derive(Default, Clone)]
 struct Figures {
     throughput: Series,
     p50: Series,
     p99: Series,
     cpu: Series,
     store_cpu: Series,
+}
+
+/// Every server of the run, and how it reads in the tables.
+const SERVERS: [(&str, &str); 12] = [
+    ("none", "no layer"),
+    ("none-slow", "no layer, a handler 15 µs slower"),
+    ("memory", "ours, memory store (room for every key)"),
+    ("memory-default", "ours, memory store (default bounds, full)"),
+    ("redis", "ours, Redis 7"),
+    ("valkey", "ours, Valkey 9"),
+    ("postgres", "ours, PostgreSQL"),
+    ("postgres-tx", "ours, PostgreSQL, same transaction"),
+    ("axum-idempotent", "axum-idempotent 0.6, moka"),
+    ("axum-idempotent-valkey", "axum-idempotent 0.6, Valkey 9"),
+    ("idempotent", "idempotent 2.0, memory"),
+    ("idempotent-valkey", "idempotent 2.0, Valkey 9"),
+];
+
+/// What runs at `CONCURRENCY` connections: every server executes (but the slower handler's),
+/// those with a store also replay.
+fn loads() -> Vec<(&'static str, Path)> {
+    let mut loads: Vec<(&str, Path)> = SERVERS
+        .iter()
+        .map(|(name, _)| (*name, Path::Execute))
+        .filter(|(name, _)| *name != "none-slow")
+        .collect();
+    for name in [
+        "memory",
+        "redis",
+        "valkey",
+        "postgres",
+        "axum-idempotent",
+        "axum-idempotent-valkey",
+        "idempotent",
+        "idempotent-valkey",
+    ] {
+        loads.push((name, Path::Replay));
+    }
+    loads
+}
+
+/// What runs at one connection (execute): the latency a request sees without queueing.
+const SINGLE: [&str; 9] = [
+    "none",
+    "none-slow",
+    "memory",
+    "redis",
+    "valkey",
+    "postgres",
+    "postgres-tx",
+    "axum-idempotent-valkey",
+    "idempotent-valkey",
+];
+
+fn label(name: &str) -> &'static str {
+    SERVERS.iter().find(|(n, _)| *n == name).unwrap().1
 }
 
 fn main() {
@@ -574,57 +715,74 @@ fn main() {
         return;
     }
     let mode = Mode::from_args();
+    let peer = common::peer::idempotent_server()
+        .unwrap_or_else(|e| panic!("the idempotent peer cannot be built: {e}"));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(drive(mode));
+    rt.block_on(drive(mode, &peer));
 }
 
-async fn drive(mode: Mode) {
+/// The run's measurements: per (server, path) at `CONCURRENCY`, per server at one connection,
+/// and the round trips of each round.
+#[derive(Default)]
+struct Run {
+    many: std::collections::HashMap<(&'static str, Path), Figures>,
+    single: std::collections::HashMap<&'static str, Figures>,
+    raw_rtt: Series,
+    rtt: Series,
+    rtt_mt: Series,
+}
+
+impl Run {
+    fn many(&self, name: &str, path: Path) -> &Figures {
+        self.many
+            .iter()
+            .find(|((n, p), _)| *n == name && *p == path)
+            .map(|(_, f)| f)
+            .unwrap()
+    }
+
+    fn single(&self, name: &str) -> &Figures {
+        self.single.iter().find(|(n, _)| **n == name).unwrap().1
+    }
+}
+
+async fn drive(mode: Mode, peer: &std::path::Path) {
     let redis = RedisServer::start_owned().await;
     let url = redis.url();
-    let variants: Vec<(&str, Path)> = vec![
-        ("none", Path::Execute),
-        ("memory", Path::Execute),
-        ("memory-default", Path::Execute),
-        ("redis", Path::Execute),
-        ("peer", Path::Execute),
-        ("memory", Path::Replay),
-        ("redis", Path::Replay),
-        ("peer", Path::Replay),
-        // Ours and the peer on their Redis stores, on the same Valkey server.
-        ("valkey", Path::Execute),
-        ("peer-valkey", Path::Execute),
-        ("valkey", Path::Replay),
-        ("peer-valkey", Path::Replay),
-    ];
     let valkey = Valkey::start().await;
+    let postgres = testkit::PostgresServer::start().await;
     // The default memory store while it fills, against the same requests without the layer,
     // each on a fresh server; the first then serves the default store's variant, full.
     let fill_keys = if mode.full { 150_000 } else { 2_000 };
     let memory_default = Server::start("memory-default", &url, None);
     let fill_none = fill(&Server::start("none", &url, None), fill_keys, "fill-none").await;
     let fill_memory = fill(&memory_default, fill_keys, "fill-memory").await;
-    let servers: Vec<(&str, Server)> = ["none", "none-slow", "memory", "redis", "peer"]
-        .into_iter()
-        .map(|v| {
-            (
-                v,
-                Server::start(v, &url, redis.pid().filter(|_| v == "redis")),
-            )
+    let mut memory_default = Some(memory_default);
+    let valkey_pid = Some(valkey.child.id());
+    let servers: Vec<(&str, Server)> = SERVERS
+        .iter()
+        .map(|(name, _)| {
+            let server = match *name {
+                "memory-default" => memory_default.take().unwrap(),
+                "redis" => Server::start(name, &url, redis.pid()),
+                "valkey" | "axum-idempotent-valkey" => Server::start(name, &valkey.url, valkey_pid),
+                "postgres" | "postgres-tx" => {
+                    Server::start(name, &postgres.url(), postgres.pid())
+                }
+                "idempotent" => Server::start_peer(peer, "memory", &url, None),
+                "idempotent-valkey" => Server::start_peer(peer, "valkey", &valkey.url, valkey_pid),
+                _ => Server::start(name, &url, None),
+            };
+            (*name, server)
         })
-        .chain(
-            ["valkey", "peer-valkey"]
-                .into_iter()
-                .map(|v| (v, Server::start(v, &valkey.url, Some(valkey.child.id())))),
-        )
-        .chain([("memory-default", memory_default)])
         .collect();
     let server = |name: &str| &servers.iter().find(|(n, _)| *n == name).unwrap().1;
-    // A session per connection for each peer server (it only caches within a session).
+    // A session per connection for axum-idempotent (it only caches within a session).
     let mut cookies: Vec<(&str, Vec<String>)> = Vec::new();
-    for name in ["peer", "peer-valkey"] {
+    for name in ["axum-idempotent", "axum-idempotent-valkey"] {
         let mut list = Vec::new();
         for _ in 0..CONCURRENCY {
             list.push(login(server(name).addr).await);
@@ -637,11 +795,11 @@ async fn drive(mode: Mode) {
             .find(|(n, _)| *n == name)
             .map_or(&[], |(_, c)| c.as_slice())
     };
-    // Store the responses the replay runs will ask for (for the peer, in every session).
-    for name in ["memory", "redis", "peer", "valkey", "peer-valkey"] {
+    // Store the responses the replay runs will ask for (for axum-idempotent, in every session).
+    for (name, _) in loads().into_iter().filter(|(_, p)| *p == Path::Replay) {
         let s = server(name);
         let mut sender = connect(s.addr).await;
-        let sessions: Vec<Option<&str>> = if name.starts_with("peer") {
+        let sessions: Vec<Option<&str>> = if name.starts_with("axum-idempotent") {
             cookies_of(name).iter().map(|c| Some(c.as_str())).collect()
         } else {
             vec![None]
@@ -655,18 +813,18 @@ async fn drive(mode: Mode) {
         }
     }
 
-    let mut figures: Vec<Figures> = variants.iter().map(|_| Figures::default()).collect();
-    let (mut rtt, mut rtt_cpu) = (Series::default(), Series::default());
-    let (mut rtt_mt, mut rtt_mt_cpu) = (Series::default(), Series::default());
-    // One connection, execute: latency without queueing.
-    let single_variants = ["none", "memory", "redis", "none-slow"];
-    let mut single: Vec<Figures> = single_variants.iter().map(|_| Figures::default()).collect();
+    let mut run = Run::default();
+    let redis_port: u16 = url
+        .trim_end_matches('/')
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .unwrap();
     for round in 0..mode.rounds {
         eprintln!("round {}/{}", round + 1, mode.rounds);
         let calls = if mode.full { RTT_SAMPLES } else { 500 };
-        let r = redis_rtt(&redis, calls).await;
-        rtt.push(r.latency_us);
-        rtt_cpu.push(r.client_cpu_us);
+        run.raw_rtt.push(raw_rtt_us(redis_port, calls));
+        run.rtt.push(redis_rtt(&redis, calls).await);
         // The same on a multi-thread runtime, as the servers run: its wake-ups cost more.
         let r = std::thread::scope(|s| {
             s.spawn(|| {
@@ -680,79 +838,165 @@ async fn drive(mode: Mode) {
             .join()
             .unwrap()
         });
-        rtt_mt.push(r.latency_us);
-        rtt_mt_cpu.push(r.client_cpu_us);
-        for (i, name) in single_variants.iter().enumerate() {
-            let l = load(
-                mode,
-                server(name),
-                Path::Execute,
-                &[],
-                &format!("r{round}{name}1"),
-                1,
-            )
-            .await;
-            single[i].p50.push(l.p50_us);
-            single[i].cpu.push(l.cpu_us_per_request);
+        run.rtt_mt.push(r);
+        for name in SINGLE {
+            let tag = format!("r{round}{name}1");
+            let l = load(mode, server(name), Path::Execute, cookies_of(name), &tag, 1).await;
+            let f = run.single.entry(name).or_default();
+            f.p50.push(l.p50_us);
+            f.cpu.push(l.cpu_us_per_request);
         }
-        for (i, (name, path)) in variants.iter().enumerate() {
-            let l = load(
-                mode,
-                server(name),
-                *path,
-                cookies_of(name),
-                &format!("r{round}{name}"),
-                CONCURRENCY,
-            )
-            .await;
-            figures[i].throughput.push(l.throughput);
-            figures[i].p50.push(l.p50_us);
-            figures[i].p99.push(l.p99_us);
-            figures[i].cpu.push(l.cpu_us_per_request);
+        for (name, path) in loads() {
+            let tag = format!("r{round}{name}");
+            let l = load(mode, server(name), path, cookies_of(name), &tag, CONCURRENCY).await;
+            let f = run.many.entry((name, path)).or_default();
+            f.throughput.push(l.throughput);
+            f.p50.push(l.p50_us);
+            f.p99.push(l.p99_us);
+            f.cpu.push(l.cpu_us_per_request);
             if let Some(c) = l.store_cpu_us_per_request {
-                figures[i].store_cpu.push(c);
+                f.store_cpu.push(c);
             }
         }
     }
+    report(mode, &run, &valkey.version, fill_keys, fill_none, fill_memory);
+}
 
+/// `min / median / max` of a series.
+fn span(s: &Series) -> String {
+    format!("{:.1} / {:.1} / {:.1}", s.min(), s.median(), s.max())
+}
+
+fn report(
+    mode: Mode,
+    run: &Run,
+    valkey: &str,
+    fill_keys: u64,
+    fill_none: (f64, f64),
+    fill_memory: (f64, f64),
+) {
+    let ex = Path::Execute;
+    let re = Path::Replay;
+    let store_cpu = |name, path| &run.many(name, path).store_cpu;
+    let throughput = |name, path| &run.many(name, path).throughput;
+    // Server CPU per request beyond the same requests without a layer, in the same round.
+    let added_cpu = |name, path| run.many(name, path).cpu.minus(&run.many("none", ex).cpu);
+    let added_p50 = |name| run.single(name).p50.minus(&run.single("none").p50);
     println!(
-        "\n## HTTP ({} rounds × {:?} per variant, {CONCURRENCY} connections; {})\n",
+        "\n## Against the peers ({} rounds × {:?} per figure, {CONCURRENCY} connections unless \
+         said; {}; {valkey})\n",
         mode.rounds,
         mode.window,
         common::machine()
     );
     row(&[
-        "variant",
+        "figure (per request)",
+        "ours",
+        "axum-idempotent",
+        "idempotent",
+        "ours / axum-idempotent",
+        "ours / idempotent",
+        "goal",
+    ]);
+    row(&["---", "---", "---", "---", "---", "---", "---"]);
+    let line = |figure: &str, ours: &Series, axum: &Series, idem: &Series, unit: &str, goal: &str| {
+        row(&[
+            figure,
+            &format!("{:.1}{unit}", ours.median()),
+            &format!("{:.1}{unit}", axum.median()),
+            &format!("{:.1}{unit}", idem.median()),
+            &ours.ratio(axum).fmt_ratio(),
+            &ours.ratio(idem).fmt_ratio(),
+            goal,
+        ]);
+    };
+    line(
+        "Valkey CPU, execute",
+        store_cpu("valkey", ex),
+        store_cpu("axum-idempotent-valkey", ex),
+        store_cpu("idempotent-valkey", ex),
+        " µs",
+        "≤ 1.25× axum-idempotent",
+    );
+    line(
+        "Valkey CPU, replay",
+        store_cpu("valkey", re),
+        store_cpu("axum-idempotent-valkey", re),
+        store_cpu("idempotent-valkey", re),
+        " µs",
+        "≤ 1.0× axum-idempotent",
+    );
+    line(
+        "server CPU added to no layer, memory stores, execute",
+        &added_cpu("memory", ex),
+        &added_cpu("axum-idempotent", ex),
+        &added_cpu("idempotent", ex),
+        " µs",
+        "≤ 1.0× idempotent",
+    );
+    line(
+        "server CPU added to no layer, Valkey, execute",
+        &added_cpu("valkey", ex),
+        &added_cpu("axum-idempotent-valkey", ex),
+        &added_cpu("idempotent-valkey", ex),
+        " µs",
+        "≤ 1.0× idempotent",
+    );
+    line(
+        "server CPU added to no layer, Valkey, replay",
+        &added_cpu("valkey", re),
+        &added_cpu("axum-idempotent-valkey", re),
+        &added_cpu("idempotent-valkey", re),
+        " µs",
+        "",
+    );
+    line(
+        "requests/s, memory stores, execute",
+        throughput("memory", ex),
+        throughput("axum-idempotent", ex),
+        throughput("idempotent", ex),
+        "",
+        "",
+    );
+    line(
+        "requests/s, Valkey, execute",
+        throughput("valkey", ex),
+        throughput("axum-idempotent-valkey", ex),
+        throughput("idempotent-valkey", ex),
+        "",
+        "",
+    );
+    line(
+        "requests/s, Valkey, replay",
+        throughput("valkey", re),
+        throughput("axum-idempotent-valkey", re),
+        throughput("idempotent-valkey", re),
+        "",
+        "",
+    );
+    line(
+        "p50 latency added at one connection, Valkey, execute",
+        &added_p50("valkey"),
+        &added_p50("axum-idempotent-valkey"),
+        &added_p50("idempotent-valkey"),
+        " µs",
+        "",
+    );
+
+    println!("\n## Every server ({CONCURRENCY} connections, medians)\n");
+    row(&[
+        "server, path",
         "requests/s",
         "p50",
         "p99",
-        "server CPU per request",
-        "Redis/Valkey CPU per request",
+        "server CPU",
+        "store CPU",
     ]);
     row(&["---", "---", "---", "---", "---", "---"]);
-    let label = |(name, path): &(&str, Path)| {
-        let who = match *name {
-            "none" => "no layer",
-            "memory" => "ours, memory store (room for every key)",
-            "memory-default" => "ours, memory store (default bounds, full)",
-            "redis" => "ours, Redis store",
-            "peer" => "axum-idempotent (moka)",
-            "valkey" => "ours, Redis store on Valkey",
-            _ => "axum-idempotent, Redis store on Valkey",
-        };
-        format!(
-            "{who}, {}",
-            if *path == Path::Execute {
-                "execute"
-            } else {
-                "replay"
-            }
-        )
-    };
-    for (i, v) in variants.iter().enumerate() {
-        let f = &figures[i];
+    for (name, path) in loads() {
+        let f = run.many(name, path);
         row(&[
-            &label(v),
+            &format!("{}, {path:?}", label(name)).to_lowercase(),
             &format!("{:.0}", f.throughput.median()),
             &format!("{:.0} µs", f.p50.median()),
             &format!("{:.0} µs", f.p99.median()),
@@ -764,184 +1008,61 @@ async fn drive(mode: Mode) {
             },
         ]);
     }
-    println!(
-        "\nRedis round trip (one EVALSHA, one connection, median): {:.0} µs. \
-         Valkey for both Redis stores side by side: {}\n",
-        rtt.median(),
-        valkey.version
-    );
+
+    println!("\n## At one connection (execute; µs, min / median / max)\n");
+    row(&["figure", "µs"]);
+    row(&["---", "---"]);
+    row(&["p50 latency, no layer", &span(&run.single("none").p50)]);
+    for name in SINGLE.iter().filter(|n| **n != "none") {
+        row(&[
+            &format!("p50 latency added: {}", label(name)),
+            &span(&added_p50(name)),
+        ]);
+    }
+    row(&[
+        "Redis round trip: PING on a blocking socket (network and server)",
+        &span(&run.raw_rtt),
+    ]);
+    row(&[
+        "Redis round trip: EVALSHA with the redis client, current-thread runtime",
+        &span(&run.rtt),
+    ]);
+    row(&[
+        "Redis round trip: the same, multi-thread runtime (the servers')",
+        &span(&run.rtt_mt),
+    ]);
+    let two_raw = Series(run.raw_rtt.0.iter().map(|r| 2.0 * r).collect());
+    row(&[
+        "ours on Redis: added p50 beyond two round trips (PING) — goal ≤ 30",
+        &span(&added_p50("redis").minus(&two_raw)),
+    ]);
+
+    println!("\n## What each guarantee costs ({CONCURRENCY} connections; ratios min / median / max)\n");
     row(&["ratio", "min / median / max"]);
     row(&["---", "---"]);
-    let idx = |name: &str, path: Path| {
-        variants
-            .iter()
-            .position(|(n, p)| *n == name && *p == path)
-            .unwrap()
-    };
-    let t = |name, path| &figures[idx(name, path)].throughput;
-    let c = |name, path| &figures[idx(name, path)].cpu;
+    for name in ["memory", "memory-default", "redis", "valkey", "postgres", "postgres-tx"] {
+        row(&[
+            &format!("requests/s: {} / no layer", label(name)),
+            &throughput(name, ex).ratio(throughput("none", ex)).fmt_ratio(),
+        ]);
+    }
     row(&[
-        "throughput: ours (memory) / no layer",
-        &t("memory", Path::Execute)
-            .ratio(t("none", Path::Execute))
+        "requests/s: PostgreSQL, same transaction / PostgreSQL",
+        &throughput("postgres-tx", ex)
+            .ratio(throughput("postgres", ex))
             .fmt_ratio(),
     ]);
     row(&[
-        "throughput: ours (memory, default bounds, full: each new key evicts one) / no layer",
-        &t("memory-default", Path::Execute)
-            .ratio(t("none", Path::Execute))
-            .fmt_ratio(),
+        "p50 at one connection: PostgreSQL, same transaction, minus PostgreSQL (µs)",
+        &span(&run.single("postgres-tx").p50.minus(&run.single("postgres").p50)),
     ]);
-    row(&[
-        "throughput: ours (Redis) / no layer",
-        &t("redis", Path::Execute)
-            .ratio(t("none", Path::Execute))
-            .fmt_ratio(),
-    ]);
-    row(&[
-        "throughput: ours (memory) / axum-idempotent (moka), execute",
-        &t("memory", Path::Execute)
-            .ratio(t("peer", Path::Execute))
-            .fmt_ratio(),
-    ]);
-    row(&[
-        "throughput: ours (memory) / axum-idempotent (moka), replay",
-        &t("memory", Path::Replay)
-            .ratio(t("peer", Path::Replay))
-            .fmt_ratio(),
-    ]);
-    row(&[
-        "throughput: ours (Redis) / axum-idempotent (Redis), both on Valkey, execute",
-        &t("valkey", Path::Execute)
-            .ratio(t("peer-valkey", Path::Execute))
-            .fmt_ratio(),
-    ]);
-    row(&[
-        "throughput: ours (Redis) / axum-idempotent (Redis), both on Valkey, replay",
-        &t("valkey", Path::Replay)
-            .ratio(t("peer-valkey", Path::Replay))
-            .fmt_ratio(),
-    ]);
-    let sc = |name, path| &figures[idx(name, path)].store_cpu;
-    row(&[
-        "Valkey CPU per request: ours / axum-idempotent (Redis), execute",
-        &sc("valkey", Path::Execute)
-            .ratio(sc("peer-valkey", Path::Execute))
-            .fmt_ratio(),
-    ]);
-    row(&[
-        "Valkey CPU per request: ours / axum-idempotent (Redis), replay",
-        &sc("valkey", Path::Replay)
-            .ratio(sc("peer-valkey", Path::Replay))
-            .fmt_ratio(),
-    ]);
-    row(&[
-        "throughput: replay / execute, ours (memory)",
-        &t("memory", Path::Replay)
-            .ratio(t("memory", Path::Execute))
-            .fmt_ratio(),
-    ]);
-    row(&[
-        "throughput: replay / execute, ours (Redis)",
-        &t("redis", Path::Replay)
-            .ratio(t("redis", Path::Execute))
-            .fmt_ratio(),
-    ]);
-    let diff = Series::minus;
-    let span = |s: &Series| format!("{:.1} / {:.1} / {:.1}", s.min(), s.median(), s.max());
-    let two_rtt = Series(rtt.0.iter().map(|r| 2.0 * r).collect());
-    let twice = |s: &Series| Series(s.0.iter().map(|r| 2.0 * r).collect());
-    let two_rtt_cpu = twice(&rtt_cpu);
-    let two_rtt_mt = twice(&rtt_mt);
-    let two_rtt_mt_cpu = twice(&rtt_mt_cpu);
-    let added_cpu = diff(c("redis", Path::Execute), c("none", Path::Execute));
-    let added_mem_cpu = diff(c("memory", Path::Execute), c("none", Path::Execute));
-    let added_p50_1 = diff(&single[2].p50, &single[0].p50);
-    let added_mem_p50_1 = diff(&single[1].p50, &single[0].p50);
-    println!();
-    row(&["added by the layer, per request (µs)", "min / median / max"]);
-    row(&["---", "---"]);
-    row(&[
-        "p50 latency at one connection, no layer",
-        &span(&single[0].p50),
-    ]);
-    row(&[
-        "p50 latency added at one connection, memory store",
-        &span(&added_mem_p50_1),
-    ]);
-    row(&[
-        "p50 latency added at one connection, Redis store",
-        &span(&added_p50_1),
-    ]);
-    row(&[
-        "p50 latency added at one connection, no layer, handler doing 15 µs more work",
-        &span(&diff(&single[3].p50, &single[0].p50)),
-    ]);
-    row(&[
-        "two Redis round trips (2 × median EVALSHA, plain client, current-thread runtime)",
-        &span(&two_rtt),
-    ]);
-    row(&[
-        "two Redis round trips (the same, multi-thread runtime like the servers)",
-        &span(&two_rtt_mt),
-    ]);
-    row(&[
-        "Redis store: added latency beyond the two round trips (multi-thread)",
-        &span(&diff(&added_p50_1, &two_rtt_mt)),
-    ]);
-    // Responses go out once the completion command is sent: one round trip is on the path.
-    row(&[
-        "Redis store: added latency beyond ONE round trip (current-thread)",
-        &span(&diff(&added_p50_1, &rtt)),
-    ]);
-    row(&[
-        "Redis store: added latency beyond ONE round trip (multi-thread)",
-        &span(&diff(&added_p50_1, &rtt_mt)),
-    ]);
-    row(&[
-        &format!("server CPU added at {CONCURRENCY} connections, memory store"),
-        &span(&added_mem_cpu),
-    ]);
-    row(&[
-        &format!("server CPU added at {CONCURRENCY} connections, Redis store"),
-        &span(&added_cpu),
-    ]);
-    row(&[
-        "Redis store minus memory store: the two calls' CPU at 32 connections",
-        &span(&diff(&added_cpu, &added_mem_cpu)),
-    ]);
-    let added_cpu_1 = diff(&single[2].cpu, &single[0].cpu);
-    row(&[
-        "server CPU added at one connection, memory store",
-        &span(&diff(&single[1].cpu, &single[0].cpu)),
-    ]);
-    row(&[
-        "server CPU added at one connection, Redis store",
-        &span(&added_cpu_1),
-    ]);
-    row(&[
-        "plain client CPU for two sequential EVALSHAs, current-thread runtime",
-        &span(&two_rtt_cpu),
-    ]);
-    row(&[
-        "plain client CPU for two sequential EVALSHAs, multi-thread runtime",
-        &span(&two_rtt_mt_cpu),
-    ]);
-    row(&[
-        "Redis store, one connection: added CPU beyond the plain client's two calls (multi-thread)",
-        &span(&diff(&added_cpu_1, &two_rtt_mt_cpu)),
-    ]);
+
     println!(
         "\nWhile the default memory store fills: {fill_keys} new keys at {CONCURRENCY} \
          connections on a fresh server (its first 100,000 fill it), every request timed; the \
          same requests without the layer on a fresh server (one run each, before the rounds):\n"
     );
-    row(&[
-        "figure",
-        "no layer",
-        "memory store, default bounds",
-        "ratio",
-    ]);
+    row(&["figure", "no layer", "memory store, default bounds", "ratio"]);
     row(&["---", "---", "---", "---"]);
     for (name, none, memory) in [
         ("p99 latency", fill_none.0, fill_memory.0),

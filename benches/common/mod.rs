@@ -7,6 +7,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod ops;
+pub mod peer;
 
 use std::time::Duration;
 
