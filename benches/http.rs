@@ -161,9 +161,7 @@ async fn app(variant: &str, redis_url: &str) -> Router {
             routes,
             Arc::new(ruts::store::moka::MokaStore::builder().build()),
         ),
-        "axum-idempotent-valkey" => {
-            peer_app(routes, Arc::new(peer_redis_store(redis_url).await))
-        }
+        "axum-idempotent-valkey" => peer_app(routes, Arc::new(peer_redis_store(redis_url).await)),
         other => panic!("unknown variant {other}"),
     }
 }
@@ -657,7 +655,10 @@ const SERVERS: [(&str, &str); 12] = [
     ("none", "no layer"),
     ("none-slow", "no layer, a handler 15 µs slower"),
     ("memory", "ours, memory store (room for every key)"),
-    ("memory-default", "ours, memory store (default bounds, full)"),
+    (
+        "memory-default",
+        "ours, memory store (default bounds, full)",
+    ),
     ("redis", "ours, Redis 7"),
     ("valkey", "ours, Valkey 9"),
     ("postgres", "ours, PostgreSQL"),
@@ -769,9 +770,7 @@ async fn drive(mode: Mode, peer: &std::path::Path) {
                 "memory-default" => memory_default.take().unwrap(),
                 "redis" => Server::start(name, &url, redis.pid()),
                 "valkey" | "axum-idempotent-valkey" => Server::start(name, &valkey.url, valkey_pid),
-                "postgres" | "postgres-tx" => {
-                    Server::start(name, &postgres.url(), postgres.pid())
-                }
+                "postgres" | "postgres-tx" => Server::start(name, &postgres.url(), postgres.pid()),
                 "idempotent" => Server::start_peer(peer, "memory", &url, None),
                 "idempotent-valkey" => Server::start_peer(peer, "valkey", &valkey.url, valkey_pid),
                 _ => Server::start(name, &url, None),
@@ -848,7 +847,15 @@ async fn drive(mode: Mode, peer: &std::path::Path) {
         }
         for (name, path) in loads() {
             let tag = format!("r{round}{name}");
-            let l = load(mode, server(name), path, cookies_of(name), &tag, CONCURRENCY).await;
+            let l = load(
+                mode,
+                server(name),
+                path,
+                cookies_of(name),
+                &tag,
+                CONCURRENCY,
+            )
+            .await;
             let f = run.many.entry((name, path)).or_default();
             f.throughput.push(l.throughput);
             f.p50.push(l.p50_us);
@@ -859,7 +866,14 @@ async fn drive(mode: Mode, peer: &std::path::Path) {
             }
         }
     }
-    report(mode, &run, &valkey.version, fill_keys, fill_none, fill_memory);
+    report(
+        mode,
+        &run,
+        &valkey.version,
+        fill_keys,
+        fill_none,
+        fill_memory,
+    );
 }
 
 /// `min / median / max` of a series.
@@ -899,17 +913,18 @@ fn report(
         "goal",
     ]);
     row(&["---", "---", "---", "---", "---", "---", "---"]);
-    let line = |figure: &str, ours: &Series, axum: &Series, idem: &Series, unit: &str, goal: &str| {
-        row(&[
-            figure,
-            &format!("{:.1}{unit}", ours.median()),
-            &format!("{:.1}{unit}", axum.median()),
-            &format!("{:.1}{unit}", idem.median()),
-            &ours.ratio(axum).fmt_ratio(),
-            &ours.ratio(idem).fmt_ratio(),
-            goal,
-        ]);
-    };
+    let line =
+        |figure: &str, ours: &Series, axum: &Series, idem: &Series, unit: &str, goal: &str| {
+            row(&[
+                figure,
+                &format!("{:.1}{unit}", ours.median()),
+                &format!("{:.1}{unit}", axum.median()),
+                &format!("{:.1}{unit}", idem.median()),
+                &ours.ratio(axum).fmt_ratio(),
+                &ours.ratio(idem).fmt_ratio(),
+                goal,
+            ]);
+        };
     line(
         "Valkey CPU, execute",
         store_cpu("valkey", ex),
@@ -1037,13 +1052,24 @@ fn report(
         &span(&added_p50("redis").minus(&two_raw)),
     ]);
 
-    println!("\n## What each guarantee costs ({CONCURRENCY} connections; ratios min / median / max)\n");
+    println!(
+        "\n## What each guarantee costs ({CONCURRENCY} connections; ratios min / median / max)\n"
+    );
     row(&["ratio", "min / median / max"]);
     row(&["---", "---"]);
-    for name in ["memory", "memory-default", "redis", "valkey", "postgres", "postgres-tx"] {
+    for name in [
+        "memory",
+        "memory-default",
+        "redis",
+        "valkey",
+        "postgres",
+        "postgres-tx",
+    ] {
         row(&[
             &format!("requests/s: {} / no layer", label(name)),
-            &throughput(name, ex).ratio(throughput("none", ex)).fmt_ratio(),
+            &throughput(name, ex)
+                .ratio(throughput("none", ex))
+                .fmt_ratio(),
         ]);
     }
     row(&[
@@ -1054,7 +1080,11 @@ fn report(
     ]);
     row(&[
         "p50 at one connection: PostgreSQL, same transaction, minus PostgreSQL (µs)",
-        &span(&run.single("postgres-tx").p50.minus(&run.single("postgres").p50)),
+        &span(
+            &run.single("postgres-tx")
+                .p50
+                .minus(&run.single("postgres").p50),
+        ),
     ]);
 
     println!(
@@ -1062,7 +1092,12 @@ fn report(
          connections on a fresh server (its first 100,000 fill it), every request timed; the \
          same requests without the layer on a fresh server (one run each, before the rounds):\n"
     );
-    row(&["figure", "no layer", "memory store, default bounds", "ratio"]);
+    row(&[
+        "figure",
+        "no layer",
+        "memory store, default bounds",
+        "ratio",
+    ]);
     row(&["---", "---", "---", "---"]);
     for (name, none, memory) in [
         ("p99 latency", fill_none.0, fill_memory.0),

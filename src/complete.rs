@@ -267,8 +267,11 @@ async fn store(run: Box<Run>, record: &[u8], event: Event, instead: Instead<'_>)
 /// way (sent to the store, or already answered): the response can go to the client while the
 /// store answers, the lease keeping the key until then. A command sent before the response goes
 /// out is ahead of any command the client's retry can cause on this instance's connection. On
-/// a store whose commands may overtake each other (a pool of connections: Postgres), `sent`
-/// waits for the answer. A record the store refuses is replaced as `instead` says. Returns what
+/// a store whose commands may overtake each other (Postgres: each takes a connection of the
+/// pool) the store's answer is waited for first, for up to the command timeout: else a retry,
+/// or an operator's look, right after the response could find the key still in flight. A
+/// record the store refuses is replaced as `instead` says.
+/// Stores `record`, calling `sent` as soon as the store command is on its way; returns what
 /// became of it (`event` when it is stored).
 pub(crate) async fn store_then(
     mut run: Box<Run>,
@@ -280,18 +283,21 @@ pub(crate) async fn store_then(
     let started = Instant::now();
     let fence = run.guard.fence();
     let stored = {
+        let in_order = run.config.store.client().sends_in_order();
+        let timeout = run.guard.guard().config().op_timeout();
         let mut completing = pin!(run.guard.try_complete(record));
-        if run.config.store.client().sends_in_order() {
-            let first = poll_fn(|cx| Poll::Ready(completing.as_mut().poll(cx))).await;
-            sent();
-            match first {
-                Poll::Ready(stored) => stored,
-                Poll::Pending => completing.await,
-            }
+        let first = if in_order {
+            poll_fn(|cx| Poll::Ready(completing.as_mut().poll(cx))).await
         } else {
-            let stored = completing.await;
-            sent();
-            stored
+            match tokio::time::timeout(timeout, completing.as_mut()).await {
+                Ok(stored) => Poll::Ready(stored),
+                Err(_) => Poll::Pending,
+            }
+        };
+        sent();
+        match first {
+            Poll::Ready(stored) => stored,
+            Poll::Pending => completing.await,
         }
     };
     let event = match stored {

@@ -817,7 +817,9 @@ impl IdempotencyLayerBuilder {
     /// behind the store command on its connection; one that reaches another instance within
     /// that round trip would find the key still in flight: the grace makes it wait for the
     /// stored outcome (woken by the completion, not by polling) and replay it. A request that
-    /// really is concurrent gets its 409 after the grace.
+    /// really is concurrent gets its 409 after the grace. (On Postgres, whose operations each
+    /// take a connection of the pool and are not kept in order, a response waits for its
+    /// outcome to be stored, up to the command timeout.)
     ///
     /// ```
     /// use std::time::Duration;

@@ -101,8 +101,11 @@
 //! the live ones, byte for byte what the first client gets. A completed streamed record is
 //! replayed part by part. A stream that cannot be read to its end (its writer died, a part is
 //! missing or altered) breaks the body off with an error, never a complete short body. A
-//! handler can keep a body out of the store with [`KeepBody::No`]. Redlock does not stream
-//! records: there the body is kept in memory up to the record limit and stored at the end.
+//! handler can keep a body out of the store with [`KeepBody::No`]. Records stream on memory,
+//! Redis and Postgres (where a duplicate in another process polls for the parts; in
+//! same-transaction mode the body is stored whole, with the handler's writes). Redlock does
+//! not stream records: there the body is kept in memory up to the record limit and stored at
+//! the end.
 //!
 //! # Where to put it
 //!

@@ -95,9 +95,11 @@ impl Store {
     /// (Feature `postgres`) A PostgreSQL database at `url`
     /// (`postgres://user:password@host:port/database`), shared by every instance, with its
     /// leases and outcomes in `table` (created by [`prepare`](Self::prepare) if missing), through
-    /// a pool of up to 16 connections. Outcomes are stored whole at the end (as on Redlock).
-    /// With [`same_transaction`](crate::IdempotencyLayerBuilder::same_transaction) a handler's
-    /// writes commit with its outcome. Must be called inside a Tokio runtime.
+    /// a pool of up to 16 connections. A streamed response is stored as it passes, and a
+    /// duplicate joins it live (as on Redis; a duplicate in another process polls for the
+    /// parts). With [`same_transaction`](crate::IdempotencyLayerBuilder::same_transaction) a
+    /// handler's writes commit with its outcome, and its response is stored whole with them.
+    /// Must be called inside a Tokio runtime.
     ///
     /// # Errors
     /// If `url` is not a PostgreSQL URL, or `table` not a table name.
@@ -106,7 +108,7 @@ impl Store {
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let store = tower_idempotency::Store::postgres("postgres://app@127.0.0.1/app", "idempotency")?;
-    /// store.prepare().await?; // the table and its function
+    /// store.prepare().await?; // the tables and their functions
     /// # Ok(()) }
     /// ```
     #[cfg(feature = "postgres")]

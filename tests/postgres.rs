@@ -315,3 +315,35 @@ async fn same_transaction_is_refused_on_another_store() {
         .unwrap_err();
     assert!(err.to_string().contains("same_transaction"), "{err}");
 }
+
+/// Not in same-transaction mode either, a response waits for its outcome to be stored on
+/// Postgres, whose operations each take a connection of the pool (a later one may overtake
+/// one on its way): a retry sent the moment the response arrives, with no grace to wait in, is
+/// replayed, never told the key is in flight, and an operator looking then finds the outcome.
+/// Before, a response went out once its outcome was on its way (as on Redis, where the
+/// connection keeps commands in order), and this failed within a few rounds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_right_after_the_response_is_replayed() {
+    let server = testkit::PostgresServer::shared().await;
+    let store = support::postgres_store(&server.url(), &testkit::unique_table("right_after")).await;
+    let layer = IdempotencyLayer::builder(store)
+        .secret(support::SECRET)
+        .unwrap()
+        .global_keys()
+        .completion_grace(Duration::ZERO)
+        .build()
+        .unwrap();
+    let (router, probe) = support::app_with_layer(layer.clone());
+    for i in 0..40 {
+        let key = format!("k-{i}");
+        let first = support::send(&router, post_key("/things", &key, "{}")).await;
+        assert!(first.status.is_success(), "{first:?}");
+        let again = support::send(&router, post_key("/things", &key, "{}")).await;
+        assert!(again.replayed(), "round {i}: {again:?}");
+        let looked =
+            tower_idempotency::operate::RequestKey::new(axum::http::Method::POST, "/things", &key);
+        let state = layer.inspect(&looked).await.unwrap();
+        assert_eq!(state.completed.len(), 1, "round {i}: {state:?}");
+    }
+    assert_eq!(probe.runs(), 40);
+}

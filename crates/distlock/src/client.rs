@@ -225,8 +225,8 @@ impl LockClient {
 
     /// Whether the store can stream run-once records ([`OnceGuard::append`](crate::OnceGuard::append),
     /// [`Once::parts`](crate::Once::parts), [`Once::follow`](crate::Once::follow)): one Redis
-    /// (standalone, Sentinel, Cluster) and memory can; Redlock cannot (a reader would need a
-    /// quorum read of every part), and its records are written whole.
+    /// (standalone, Sentinel, Cluster), Postgres and memory can; Redlock cannot (a reader would
+    /// need a quorum read of every part), and its records are written whole.
     ///
     /// ```
     /// assert!(distlock::LockClient::memory().supports_streaming());
@@ -235,11 +235,11 @@ impl LockClient {
         self.inner.backend.supports_streaming()
     }
 
-    /// Whether a command of this client, once its future has been polled (sent), comes before
-    /// any command the client sends later: true where each server is one connection (Redis in
-    /// every mode) or there is no server (memory); false for a pool of connections (Postgres),
-    /// where a later command may run first. A caller that answers before a completion's reply
-    /// (for an earlier first byte) may do so only when this is true.
+    /// Whether an operation this client sends reaches the store ahead of every operation it
+    /// sends after it: memory, Redis (one connection per server, commands in order) and
+    /// Redlock do; Postgres does not (each operation takes a connection of the pool, and a
+    /// later one may overtake one still on its way). There, a write must be answered before a
+    /// read that must see it is sent.
     ///
     /// ```
     /// assert!(distlock::LockClient::memory().sends_in_order());
@@ -915,7 +915,8 @@ impl LockClientBuilder {
     /// (Feature `postgres`) Locks and run-once records in `table` of the PostgreSQL database
     /// `pool` connects to (created by [`LockClient::prepare`] if missing): see
     /// [`postgres`](crate::postgres). Every operation takes a connection from the pool for its
-    /// duration only. Streaming is not offered (records are stored whole), nor reentrant locks.
+    /// duration only. Records can be streamed (their parts in `{table}_parts`; readers in other
+    /// processes poll for them); reentrant locks are not offered.
     /// Must be called inside a Tokio runtime (a task deletes expired rows every minute).
     ///
     /// # Errors

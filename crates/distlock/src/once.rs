@@ -101,6 +101,16 @@
 //! ([`LockError::Capacity`]) and appends nothing. The parts of a held lock are never evicted; a
 //! completed streamed record can be, like any idle record (a reader then sees `Abandoned`).
 //!
+//! ## On Postgres
+//!
+//! The Postgres store (feature `postgres`) keeps the parts in a table of their own, with the
+//! same semantics: appends and completions are functions that lock the name's row and check
+//! the lease and the part count, reads are one statement. Readers in the writer's process are
+//! woken by its appends and completion; readers elsewhere poll with backoff (nothing is
+//! announced across processes: [`LockConfigBuilder::polling`](crate::LockConfigBuilder::polling)
+//! must stay on for them). In a transaction bound to the lease
+//! ([`OnceGuard::transaction`]) the parts are appended in it and commit with the record.
+//!
 //! ## Redlock
 //!
 //! Streaming is not offered on Redlock: a reader would need a quorum read of every part, and

@@ -1,5 +1,8 @@
 //! One behavioural suite, run against the in-memory store and against a real Redis: the two
-//! must be interchangeable.
+//! must be interchangeable. With the `postgres` feature, the run-once and streaming part of it
+//! also runs against a real PostgreSQL (`postgres::name`): the Postgres store offers no
+//! reentrant locks and no announcements across processes (its readers poll), so the tests of
+//! those are left out there.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,6 +22,8 @@ struct Store {
     _server: Option<RedisServer>,
     url: Option<String>,
     memory: Option<LockClient>,
+    /// (Postgres) The server's URL and the test's table.
+    postgres: Option<(String, String)>,
     prefix: String,
 }
 
@@ -28,7 +33,20 @@ impl Store {
             _server: None,
             url: None,
             memory: Some(LockClient::memory()),
+            postgres: None,
             prefix: "m".into(),
+        }
+    }
+
+    #[cfg(feature = "postgres")]
+    async fn postgres(test: &str) -> Self {
+        let server = testkit::PostgresServer::shared().await;
+        Store {
+            _server: None,
+            url: None,
+            memory: None,
+            postgres: Some((server.url(), testkit::unique_table(test))),
+            prefix: testkit::unique_prefix(test),
         }
     }
 
@@ -38,26 +56,66 @@ impl Store {
             url: Some(server.url()),
             _server: Some(server),
             memory: None,
+            postgres: None,
             prefix: testkit::unique_prefix(test),
         }
     }
 
     /// A client with `config` on this store (memory clients of one store share their state).
     async fn client(&self, config: LockConfig) -> LockClient {
-        match (&self.url, &self.memory) {
-            (Some(url), _) => {
+        self.client_under(&self.prefix, config).await
+    }
+
+    /// A client with `config` on this store, under `prefix` (memory: the store's own).
+    async fn client_under(&self, prefix: &str, config: LockConfig) -> LockClient {
+        match (&self.url, &self.memory, &self.postgres) {
+            (Some(url), _, _) => {
                 let c = LockClient::builder()
                     .config(config)
-                    .prefix(&self.prefix)
+                    .prefix(prefix)
                     .unwrap()
                     .connect(url)
                     .unwrap();
                 c.prepare().await.unwrap();
                 c
             }
-            (None, Some(shared)) => shared.with_config(config).unwrap(),
+            (None, Some(shared), _) => shared.with_config(config).unwrap(),
+            #[cfg(feature = "postgres")]
+            (None, None, Some((url, table))) => {
+                let c = LockClient::builder()
+                    .config(config)
+                    .prefix(prefix)
+                    .unwrap()
+                    .connect_postgres(url, table)
+                    .unwrap();
+                c.prepare().await.unwrap();
+                c
+            }
             _ => unreachable!(),
         }
+    }
+
+    /// How many parts the store holds for `once` (Redis: its list; Postgres: rows of the parts
+    /// table), `None` in memory (nothing to look at from outside).
+    async fn parts_stored(&self, once: &distlock::Once) -> Option<u64> {
+        if let Some(server) = &self._server {
+            let mut c = server.connection().await;
+            return Some(c.llen(once.name().parts_key()).await.unwrap());
+        }
+        let (url, table) = self.postgres.as_ref()?;
+        let (admin, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        let n: i64 = admin
+            .query_one(
+                &format!("SELECT count(*) FROM {table}_parts WHERE name = $1"),
+                &[&once.name().lock_key()],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        Some(n as u64)
     }
 
     /// Whether any of `keys` exists in Redis (memory: `None`, no keys to look at).
@@ -109,6 +167,43 @@ both!(
     a_completion_reaches_every_waiting_duplicate,
     a_record_begun_again_after_it_expired_draws_a_larger_fence,
     an_operator_inspects_purges_and_scans,
+    one_append_wakes_every_reader_of_the_writers_client,
+    a_streamed_record_is_inspected_and_purged_with_its_parts,
+    a_writer_whose_lease_ran_out_appends_nothing,
+);
+
+/// The run-once and streaming scenarios on a real PostgreSQL.
+#[cfg(feature = "postgres")]
+macro_rules! on_postgres {
+    ($($name:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Store::postgres(stringify!($name)).await).await;
+                }
+            )*
+        }
+    };
+}
+
+#[cfg(feature = "postgres")]
+on_postgres!(
+    exclusion_and_fencing,
+    held_and_released,
+    expiry_without_renewal_signals_loss,
+    once_lifecycle,
+    late_completion_is_refused,
+    a_streamed_record_round_trips_byte_for_byte,
+    readers_attached_before_during_and_after_the_stream,
+    a_lost_lease_mid_stream_is_abandoned_and_the_next_holder_starts_clean,
+    abort_and_drop_after_appends_leave_no_parts,
+    a_reader_ahead_of_the_writer_waits_for_its_part,
+    a_record_begun_again_after_it_expired_draws_a_larger_fence,
+    an_operator_inspects_purges_and_scans,
+    one_append_wakes_every_reader_of_the_writers_client,
+    a_streamed_record_is_inspected_and_purged_with_its_parts,
+    a_writer_whose_lease_ran_out_appends_nothing,
 );
 
 async fn exclusion_and_fencing(store: Store) {
@@ -855,12 +950,13 @@ async fn an_operator_inspects_purges_and_scans(store: Store) {
         let g = holder(&client.once(name).unwrap()).await;
         g.complete(b"x").await.unwrap();
     }
-    if let Some(url) = &store.url {
-        let other = LockClient::builder()
-            .prefix(&format!("{}-elsewhere", store.prefix))
-            .unwrap()
-            .connect(url)
-            .unwrap();
+    if store.memory.is_none() {
+        let other = store
+            .client_under(
+                &format!("{}-elsewhere", store.prefix),
+                LockConfig::default(),
+            )
+            .await;
         let g = holder(&other.once("order.9").unwrap()).await;
         g.complete(b"x").await.unwrap();
     }
@@ -879,4 +975,135 @@ async fn an_operator_inspects_purges_and_scans(store: Store) {
     assert_eq!(scanner.scan("order.*").await.unwrap(), ["order.8"]);
     let again = holder(&once).await;
     assert!(again.fence() > fence, "{} after {fence}", again.fence());
+}
+
+/// Polling off, one client: the append's local wake-up alone reaches every reader waiting in
+/// the writer's client (on every store, Postgres included, which announces nothing across
+/// processes), and the completion wakes a reader waiting for the next part.
+async fn one_append_wakes_every_reader_of_the_writers_client(store: Store) {
+    let quiet = LockConfig::builder()
+        .lease(Duration::from_secs(30))
+        .polling(false)
+        .build()
+        .unwrap();
+    let client = store.client(quiet).await;
+    let once = client.once("local-wake").unwrap();
+    let g = holder(&once).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let readers: Vec<_> = (0..8)
+        .map(|_| {
+            let once = once.clone();
+            tokio::spawn(async move { once.wait_parts(0, 4, deadline).await.unwrap() })
+        })
+        .collect();
+    tokio::time::sleep(ms(300)).await;
+    assert!(readers.iter().all(|r| !r.is_finished()), "nothing yet");
+    g.append(b"tick").await.unwrap();
+    for r in readers {
+        let read = tokio::time::timeout(Duration::from_secs(2), r)
+            .await
+            .expect("woken by the append")
+            .unwrap();
+        assert_eq!(read.parts(), [b(b"tick")]);
+        assert_eq!(read.state(), RecordState::Writing { parts: 1 });
+    }
+    let next = tokio::spawn({
+        let once = once.clone();
+        async move { once.wait_parts(1, 4, deadline).await.unwrap() }
+    });
+    tokio::time::sleep(ms(300)).await;
+    assert!(!next.is_finished(), "part 1 is not there yet");
+    g.complete(b"end").await.unwrap();
+    let read = tokio::time::timeout(Duration::from_secs(2), next)
+        .await
+        .expect("woken by the completion")
+        .unwrap();
+    assert_eq!(read.parts(), [b(b"end")]);
+    assert_eq!(read.state(), RecordState::Done { parts: 2 });
+}
+
+/// An operator's view of a streamed record: in flight with no record while it is written; done,
+/// a record of its parts (the first and the count). A purge deletes the parts with the record,
+/// and the next writer starts from none of them.
+async fn a_streamed_record_is_inspected_and_purged_with_its_parts(store: Store) {
+    let client = store.client(LockConfig::default()).await;
+    let once = client.once("inspect-stream").unwrap();
+    let g = holder(&once).await;
+    g.append(b"head").await.unwrap();
+    g.append(b"body").await.unwrap();
+    let writing = once.inspect().await.unwrap();
+    assert_eq!(writing.holder.map(|h| h.fence), Some(g.fence()));
+    assert!(writing.record.is_none(), "{:?}", writing.record);
+    let fence = g.fence();
+    g.complete(b"end").await.unwrap();
+    let done = once.inspect().await.unwrap();
+    assert!(done.holder.is_none());
+    let record = done.record.expect("a record of its parts");
+    assert_eq!(record.parts(), 3);
+    assert_eq!(record.first(), &b(b"head"));
+    assert_eq!(done.fence, Some(fence));
+    assert_ne!(store.parts_stored(&once).await, Some(0));
+
+    assert_eq!(once.purge().await.unwrap(), Purged::Deleted);
+    assert!(once.inspect().await.unwrap().is_absent());
+    let read = once.parts(0, 8).await.unwrap();
+    assert_eq!(read.state(), RecordState::Abandoned);
+    assert!(read.parts().is_empty());
+    assert!(matches!(store.parts_stored(&once).await, None | Some(0)));
+    let again = holder(&once).await;
+    assert!(again.fence() > fence);
+    let fresh = once.parts(0, 8).await.unwrap();
+    assert_eq!(fresh.state(), RecordState::Writing { parts: 0 });
+    assert!(fresh.parts().is_empty());
+    assert_eq!(again.append(b"new").await.unwrap(), 0);
+    again.complete(b"end").await.unwrap();
+    assert_eq!(
+        once.parts(0, 8).await.unwrap().parts(),
+        [b(b"new"), b(b"end")]
+    );
+}
+
+/// A writer whose lease ran out appends nothing, whether or not anyone took the name since
+/// (its token may still be in the store: the lease decides), and concurrent appends of it
+/// beside the new holder's never mix into the new record.
+async fn a_writer_whose_lease_ran_out_appends_nothing(store: Store) {
+    let short = LockConfig::builder()
+        .lease(ms(200))
+        .watchdog(false)
+        .build()
+        .unwrap();
+    let client = store.client(short).await;
+    let once = client.once("stale-writer").unwrap();
+    let old = Arc::new(holder(&once).await);
+    old.append(b"old-0").await.unwrap();
+    tokio::time::sleep(ms(400)).await;
+    assert!(matches!(
+        old.append(b"old-1").await,
+        Err(LockError::LeaseLost { .. })
+    ));
+    let new = holder(&once).await;
+    assert!(new.fence() > old.fence());
+    let stale: Vec<_> = (0..4)
+        .map(|i| {
+            let old = old.clone();
+            tokio::spawn(async move { old.append(format!("old-{i}").as_bytes()).await })
+        })
+        .collect();
+    for i in 0..4 {
+        assert_eq!(new.append(format!("new-{i}").as_bytes()).await.unwrap(), i);
+    }
+    for s in stale {
+        assert!(matches!(s.await.unwrap(), Err(LockError::LeaseLost { .. })));
+    }
+    new.complete(b"new-end").await.unwrap();
+    let read = once.parts(0, 16).await.unwrap();
+    let want: Vec<Bytes> = ["new-0", "new-1", "new-2", "new-3", "new-end"]
+        .iter()
+        .map(|p| b(p.as_bytes()))
+        .collect();
+    assert_eq!(read.parts(), &want[..]);
+    assert_eq!(read.state(), RecordState::Done { parts: 5 });
+    if let Some(stored) = store.parts_stored(&once).await {
+        assert_eq!(stored, 5, "no stale part stored");
+    }
 }

@@ -267,8 +267,8 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug + 'static {
     fn supports_streaming(&self) -> bool {
         false
     }
-    /// Whether a command sent (its future polled once) comes before any later command of this
-    /// client: see [`LockClient::sends_in_order`](crate::LockClient::sends_in_order).
+    /// Whether an operation sent reaches the store ahead of every operation sent after it
+    /// (one connection per server, commands in order); not on a pool of connections.
     fn sends_in_order(&self) -> bool {
         true
     }
