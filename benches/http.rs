@@ -1,14 +1,17 @@
-//! The layer over HTTP on loopback, against the same handler without it and against the
-//! `axum-idempotent` crate: on its in-memory moka session store, and on its Redis store next to
-//! ours, both on one Valkey 9 server (the peer's Redis store needs `HEXPIRE`, Redis >= 7.4 or
-//! Valkey >= 9, and Debian ships Redis 7.0). Every variant runs as its own server process (this
+//! The layer over HTTP on loopback, against the same handler without it and against two peers:
+//! `axum-idempotent` (its in-memory moka session store, and its Redis store) and `idempotent`
+//! 2.0 (its memory store, and its Valkey store; built from `benches/peers/idempotent`, see
+//! `common::peer`). The peers' Redis stores and ours run on one Valkey 9 server (the
+//! `axum-idempotent` store needs `HEXPIRE`, Redis >= 7.4 or Valkey >= 9, and Debian ships Redis
+//! 7.0); ours also runs on PostgreSQL (`postgres`, and `postgres-tx`: same-transaction mode).
+//! Every variant runs as its own server process (this
 //! binary, re-executed with `--serve`), driven by a closed-loop load generator at a fixed
 //! concurrency, in rounds; figures are ratios within a round.
 //!
 //! ```sh
-//! cargo bench --bench http                     # 5 rounds of 2 s per variant
-//! BENCH_ROUNDS=9 cargo bench --bench http
-//! VALKEY_SERVER_BIN=/path/to/valkey-server cargo bench --bench http
+//! cargo bench --features postgres --bench http     # 5 rounds of 2 s per variant
+//! BENCH_ROUNDS=9 cargo bench --features postgres --bench http
+//! VALKEY_SERVER_BIN=/path/to/valkey-server cargo bench --features postgres --bench http
 //! ```
 //!
 //! The Valkey server is `VALKEY_SERVER_BIN`, else `REDIS_SERVER_BIN` if it has `HEXPIRE`, else
