@@ -68,7 +68,7 @@ async fn pay(body: Bytes) -> (StatusCode, axum::Json<serde_json::Value>) {
     )
 }
 
-/// The work of [`pay_slow`]: more than the layer's own (section 9 of docs/BENCHMARKS.md).
+/// The work of [`pay_slow`]: more than the layer's own (docs/BENCHMARKS.md, "The layer in process").
 const SLOW_HANDLER: Duration = Duration::from_micros(15);
 
 /// [`pay`] after 15 µs of CPU (a spin): a handler that does some work, without the layer. At

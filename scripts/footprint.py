@@ -3,7 +3,7 @@
 
 A request that comes after the CPU was idle finds little of its code in the caches: what it
 costs then grows with the code it runs, not with the instructions it executes (see
-docs/BENCHMARKS.md, section 9). This counts that code: it runs the layer bench's profile loop
+docs/BENCHMARKS.md, "The layer in process"). This counts that code: it runs the layer bench's profile loop
 (`--profile <variant> N`) under callgrind, collecting only inside the profiled requests
 (`layer::poll_profiled`), and counts the distinct instruction addresses and 64-byte code lines
 executed, per variant, and per function for the lines a layered request adds.

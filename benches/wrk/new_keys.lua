@@ -1,4 +1,4 @@
--- wrk script for the HTTP bench's server (`--serve <variant>`, see docs/BENCHMARKS.md 4):
+-- wrk script for the HTTP bench's server (`--serve <variant>`, see docs/BENCHMARKS.md, "Method"):
 -- POST /pay with a small JSON body and a new Idempotency-Key on every request (execute path).
 --   wrk -t1 -c1 -d3s --latency -s benches/wrk/new_keys.lua http://127.0.0.1:<port>/pay
 local counter = 0

@@ -32,8 +32,8 @@
 //! The cipher is ring's AES-256-GCM (the one under rustls): with AES-NI and carry-less
 //! multiplication it seals and opens about 2.5 times as fast as RustCrypto's `aes-gcm` on this
 //! project's bench machine, which bounds how fast a stored body replays (docs/BENCHMARKS.md,
-//! section 8). The envelope is standard AES-GCM either way: records written with one open with
-//! the other.
+//! "Sealed records"). The envelope is standard AES-GCM either way: records written with one
+//! open with the other.
 
 use bytes::{Buf, Bytes, BytesMut};
 use ring::aead::{AES_256_GCM, Aad, LessSafeKey, Nonce, UnboundKey};

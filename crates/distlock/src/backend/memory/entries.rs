@@ -47,7 +47,7 @@ pub(super) struct Entries {
 /// each: a new key lands in a bucket at random,
 /// and until most of the table had been written (a thousand keys or so for the default bound's
 /// 4 MiB), a request's insert took a page fault (about 16 µs of a request that follows an idle
-/// pause, docs/BENCHMARKS.md, section 7). Fills it with placeholders, one per bucket up to its
+/// pause, docs/BENCHMARKS.md, "Streaming responses"). Fills it with placeholders, one per bucket up to its
 /// capacity (consecutive multiples of an odd constant: distinct in the bits that pick the
 /// bucket), then clears it, which keeps the allocation.
 fn prefault(table: &mut HashTable<(u64, usize)>) {

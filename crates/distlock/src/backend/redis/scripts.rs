@@ -4,7 +4,7 @@
 //! * as **functions** (`FCALL`, Redis 7+ and Valkey): every script is registered, body
 //!   unchanged, as a function of one library ([`LIBRARY`]), loaded with `FUNCTION LOAD` when the
 //!   server answers that a function is missing. A call costs Redis less than `EVALSHA` of the
-//!   same script (measured in `benches/lock.rs`, docs/BENCHMARKS.md section 1), and a library
+//!   same script (measured in `benches/lock.rs`, docs/BENCHMARKS.md, "The lock"), and a library
 //!   lives in the dataset (replicated, persisted) rather than in a cache;
 //! * as **scripts** (`EVALSHA`), where the server has no functions (Redis 6), renamed them
 //!   away, or the ACL user may not call or load them: `redis::Script` sends `EVALSHA` and the
