@@ -23,11 +23,6 @@ local stored = redis.call('LLEN', KEYS[3])
 local index = tonumber(ARGV[2])
 if stored == index then
   redis.call('RPUSH', KEYS[3], ARGV[3])
-  if index == 0 then
-    -- q: parts exist, which a writer after this one must not inherit (begin.lua deletes them);
-    -- w: readers may follow them, and wait for the completion's announcement (complete.lua).
-    redis.call('HSET', KEYS[2], 'q', '1', 'w', '1')
-  end
 elseif stored ~= index + 1 or redis.call('LINDEX', KEYS[3], index) ~= ARGV[3] then
   return -1 - stored
 end

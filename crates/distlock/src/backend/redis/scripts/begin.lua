@@ -5,10 +5,9 @@
 -- KEYS[1]  lock key: a string holding the owner token, with the lease as its expiry
 -- KEYS[2]  state key: a hash with n = fencing counter, m = the holder's tag, t = since when the
 --          holder holds (ARGV[5]), d = a one-part completion record, p = the part count of a
---          complete streamed record, c = the token that completed it, q = parts were appended
---          (append.lua), w = someone waits for the holder's end (complete.lua announces it),
---          and (Redlock masters, records longer than they send with an answer) l = the
---          record's length, h = its SHA-1 in hex.
+--          complete streamed record, c = the token that completed it, and (Redlock masters,
+--          records longer than they send with an answer) l = the record's length, h = its
+--          SHA-1 in hex.
 -- KEYS[3]  parts key: a list, the parts of a streamed record (absent for one-part records).
 --          All keys share one {hash tag}.
 -- ARGV[1]  owner token (unique per attempt)
@@ -32,8 +31,7 @@ if inline then
     return {3, tonumber(named[1]), named[2]}
   end
 end
--- q: an earlier writer appended parts (append.lua), which a new writer must not inherit.
-local state = redis.call('HMGET', KEYS[2], 'd', 'p', 'n', 'q')
+local state = redis.call('HMGET', KEYS[2], 'd', 'p', 'n')
 if state[1] then
   if inline and #state[1] > inline then
     -- Stored without its size and digest (by an earlier version).
@@ -65,10 +63,13 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
     redis.call('DEL', KEYS[1])
     return written
   end
-  if state[4] then
-    -- A writer died mid-stream: the new one starts from no parts.
-    redis.call('DEL', KEYS[3])
-    redis.call('HDEL', KEYS[2], 'q')
+  -- A new writer starts from no parts (a no-op unless a writer died mid-stream). Always: no
+  -- mark that parts exist can be trusted to be there (an evicted state, another version's
+  -- append), and a writer that inherited a dead one's parts would serve them as its own.
+  written = redis.pcall('DEL', KEYS[3])
+  if type(written) == 'table' and written.err then
+    redis.call('DEL', KEYS[1])
+    return written
   end
   return fence
 end
@@ -78,11 +79,6 @@ local holder = redis.pcall('GET', KEYS[1])
 -- its reply) finds its own token: taken, with the fence it drew.
 if holder == ARGV[1] then
   return tonumber(state[3])
-end
--- Someone waits: their completion or release announces itself (complete.lua). The mark lives
--- no longer than the record would.
-if redis.call('HSET', KEYS[2], 'w', '1') == 1 and redis.call('PTTL', KEYS[2]) == -1 then
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
 end
 return {0, redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[2], 'm') or '',
   tonumber(state[3]) or 0, redis.call('LLEN', KEYS[3])}

@@ -36,7 +36,7 @@ if redis.pcall('GET', KEYS[1]) == ARGV[1] then
     one_part()
   elseif ARGV[4] == '-1' then
     redis.call('DEL', KEYS[3])
-    redis.call('HDEL', KEYS[2], 'p', 'q')
+    redis.call('HDEL', KEYS[2], 'p')
     one_part()
   else
     local stored = redis.call('LLEN', KEYS[3])
@@ -47,17 +47,14 @@ if redis.pcall('GET', KEYS[1]) == ARGV[1] then
     redis.call('PEXPIRE', KEYS[3], ARGV[3])
     redis.call('HSET', KEYS[2], 'p', stored + 1, 'c', ARGV[1])
   end
-  -- The holder's tag goes, and w, the mark of someone waiting (begin.lua, append.lua): two
-  -- fields removed, someone waits (or a holder whose state expired under it had a waiter:
-  -- one field, and its waiters poll). Nobody waiting, nothing is announced.
-  local waited = redis.call('HDEL', KEYS[2], 'm', 'w') ~= 1
+  redis.call('HDEL', KEYS[2], 'm')
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
   redis.call('DEL', KEYS[1])
-  if waited then
-    -- pcall: the write above has happened; a refused announcement (an ACL user without
-    -- channel rights) must not turn it into an error. Waiters then poll.
-    redis.pcall('PUBLISH', KEYS[1] .. ':rel', ARGV[1])
-  end
+  -- Announced always: whoever waits (a duplicate, a reader following the parts, a client of
+  -- another version) cannot be known here without a mark every waiter would have to write.
+  -- pcall: the write above has happened; a refused announcement (an ACL user without channel
+  -- rights) must not turn it into an error. Waiters then poll.
+  redis.pcall('PUBLISH', KEYS[1] .. ':rel', ARGV[1])
   return 1
 end
 if redis.call('HGET', KEYS[2], 'c') == ARGV[1] then
