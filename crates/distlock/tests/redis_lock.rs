@@ -1369,12 +1369,12 @@ async fn a_dead_writers_parts_are_never_the_next_writers() {
     dead.append(b"old").await.unwrap();
     // The writer dies (its lease ends), and its state keeps only the counter and the tag.
     let state = once.name().state_key();
-    let fields: Vec<String> = admin.hkeys(&state).await.unwrap();
+    let fields: Vec<String> = admin.hkeys(state).await.unwrap();
     for field in fields
         .iter()
         .filter(|f| !["n", "m", "t"].contains(&f.as_str()))
     {
-        let _: i64 = admin.hdel(&state, field).await.unwrap();
+        let _: i64 = admin.hdel(state, field).await.unwrap();
     }
     let _: i64 = admin.del(once.name().lock_key()).await.unwrap();
     std::mem::forget(dead);
