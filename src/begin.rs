@@ -553,7 +553,7 @@ async fn take_thing(
     wait: Duration,
 ) -> Result<LockGuard, Rejection> {
     let name = derive(keys, parts, principal, key, Naming::Thing, false).name;
-    let lock = match config.store.client().lock(&name) {
+    let lock = match config.things.lock(&name) {
         Ok(lock) => lock,
         Err(e) => unreachable!("a hex name is a valid lock name: {e}"),
     };

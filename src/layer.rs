@@ -182,6 +182,9 @@ pub(crate) enum Rendering {
 /// The checked configuration, shared by every clone of the layer and its services.
 pub(crate) struct Config {
     pub(crate) store: Store,
+    /// The store's client for the locks of the things keys name: their fence counters live as
+    /// long as a record (the retention after their last use), and start again from the clock.
+    pub(crate) things: distlock::LockClient,
     pub(crate) keys: Keys,
     /// The previous secrets' keys, consulted while a rotation is under way.
     pub(crate) previous: Vec<Keys>,
@@ -1267,6 +1270,11 @@ impl IdempotencyLayerBuilder {
             );
         }
         let seal = store.client().memory_limits().is_none();
+        let things = store.client().with_config(
+            (store.client().config().to_builder())
+                .fence_ttl(self.retention)
+                .build()?,
+        )?;
         let html: Option<Arc<RenderHtml>> = match (self.html, &self.rendering) {
             (HtmlPages::Custom(render), _) => Some(render),
             (HtmlPages::Default, Rendering::Problem(_)) => Some(Arc::new(default_page)),
@@ -1276,6 +1284,7 @@ impl IdempotencyLayerBuilder {
             config: Arc::new(Config {
                 seal,
                 store,
+                things,
                 keys: Keys::new(self.secret.as_deref()),
                 previous: (self.previous.iter())
                     .map(|secret| Keys::new(Some(secret)))

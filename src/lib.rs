@@ -218,7 +218,7 @@
 //! prefix):
 //!
 //! ```text
-//! ACL SETUSER idempotency on >PASSWORD resetkeys ~idem:* resetchannels &idem:* -@all +fcall +evalsha +script|load +get +set +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex +llen +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots
+//! ACL SETUSER idempotency on >PASSWORD resetkeys ~idem:* resetchannels &idem:* -@all +fcall +evalsha +script|load +get +set +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hsetnx +hlen +rpush +lindex +llen +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots
 //! ```
 //!
 //! A store that refuses what the layer needs (an ACL user without either `FCALL` or

@@ -343,9 +343,8 @@ async fn nothing_readable_lands_in_redis() {
             );
         }
     }
-    // Every stored record is kept for the retention. (The state keys without a record are
-    // the fence counters of the things keys name, which are kept for good: a thing's fence
-    // grows across all its executions.)
+    // Every stored record is kept for the retention (the state keys without a record are the
+    // fence counters of the things keys name: see the next test).
     let mut r = server.connection().await;
     let states: Vec<String> = r.keys("idem:*:state").await.unwrap();
     let mut records = 0;
@@ -362,6 +361,71 @@ async fn nothing_readable_lands_in_redis() {
         );
     }
     assert!(records > 0, "no record among the state keys: {states:?}");
+}
+
+/// The fence counter of a thing a key names (a phone number) lives as long as a record about
+/// it, not for good: Redis memory does not grow with every phone number ever seen (before:
+/// kept with no expiry). And the thing's fence still grows across that expiry: an execution
+/// about the thing after its counter went is fenced above every earlier one.
+#[tokio::test]
+async fn a_things_fence_counter_expires_with_the_retention_and_its_fence_still_grows() {
+    let server = RedisServer::start_owned().await;
+    let store = redis_store(&server.url(), "idem").await;
+    let (signups, _) = app(&store, |b| {
+        b.key(key::json("/phone").unwrap())
+            .lease(Duration::from_millis(300))
+            .unwrap()
+            .retention(Duration::from_millis(800))
+    });
+    let signup = |name: &str| {
+        Request::post("/things")
+            .header("content-type", "application/json")
+            .body(Body::from(format!(
+                r#"{{"phone":"+15550100777","name":"{name}"}}"#
+            )))
+            .unwrap()
+    };
+    let first = send(&signups, signup("Ada")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let fence = |reply: &support::Reply| reply.json()["fence"].as_u64().expect("a fence");
+    let mut r = server.connection().await;
+    let states: Vec<String> = r.keys("idem:*:state").await.unwrap();
+    let mut counters = Vec::new();
+    for state in &states {
+        let fields: Vec<String> = r.hkeys(state).await.unwrap();
+        if fields.iter().any(|f| f == "d" || f == "p") {
+            continue;
+        }
+        let ttl: i64 = r.pttl(state).await.unwrap();
+        assert!(
+            ttl > 0 && ttl <= 800,
+            "{state} ({fields:?}), the thing's fence counter, expires with the retention: {ttl}"
+        );
+        counters.push(state.clone());
+    }
+    assert_eq!(counters.len(), 1, "one thing's counter among {states:?}");
+    // Once every key about the thing is gone, another signup with the phone number runs, under
+    // a greater fence.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let left: Vec<String> = r.keys("idem:*").await.unwrap();
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still in Redis after 10 s: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let later = send(&signups, signup("Grace")).await;
+    assert_eq!(later.status, StatusCode::CREATED);
+    assert!(
+        fence(&later) > fence(&first),
+        "the fence after the counter expired ({}) is above the first ({})",
+        fence(&later),
+        fence(&first)
+    );
 }
 
 /// A stored record that does not open is reported (500 `record-unreadable`) and never replayed

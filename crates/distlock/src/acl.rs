@@ -6,7 +6,7 @@
 /// the server, including one a more privileged client calls. Such a user runs the scripts as
 /// `EVALSHA` unless an administrator loaded the lock's library ([`function_library`]).
 const COMMANDS: &str = "-@all +fcall +evalsha +script|load +get +set +del +pexpire +pttl +type \
-     +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex +llen +lrange +publish \
+     +hget +hmget +hset +hdel +hexists +hincrby +hsetnx +hlen +rpush +lindex +llen +lrange +publish \
      +subscribe +unsubscribe +wait +role +cluster|slots";
 
 /// The rules of an `ACL SETUSER` line (what follows the user name and its password) that let a
@@ -19,7 +19,7 @@ const COMMANDS: &str = "-@all +fcall +evalsha +script|load +get +set +del +pexpi
 /// assert_eq!(
 ///     distlock::acl_rules("myapp"),
 ///     "resetkeys ~myapp:* resetchannels &myapp:* -@all +fcall +evalsha +script|load +get +set \
-///      +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush \
+///      +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hsetnx +hlen +rpush \
 ///      +lindex +llen +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots"
 /// );
 /// // So a user is created with:
@@ -84,9 +84,12 @@ mod tests {
     const SCRIPTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src/backend/redis/scripts");
 
     /// The commands sent outside the scripts, on the lock's keys: the pipelined acquisition on
-    /// one Redis (`SET NX PX`, `HINCRBY`, `PEXPIRE`, then `GET` and `PTTL` when held) and the
+    /// one Redis (`SET NX PX`, `HSETNX` and `PEXPIRE` with `fence_ttl`, `HINCRBY`, then `GET`
+    /// and `PTTL` when held) and the
     /// plain reads of a completed record's parts (`LRANGE`).
-    const PLAIN: [&str; 6] = ["SET", "HINCRBY", "PEXPIRE", "GET", "PTTL", "LRANGE"];
+    const PLAIN: [&str; 7] = [
+        "SET", "HSETNX", "HINCRBY", "PEXPIRE", "GET", "PTTL", "LRANGE",
+    ];
 
     /// Every command the scripts call (`redis.call` and `redis.pcall`), upper-case, by script.
     fn script_commands() -> Vec<(String, BTreeSet<String>)> {

@@ -364,8 +364,9 @@ impl LockConfigBuilder {
     }
 
     /// Lets the per-lock state (fencing counter) expire after `ttl` without activity, so locks on
-    /// ever-new names do not accumulate keys. Fencing tokens stay strictly increasing as long as
-    /// two holders of one name are less than `ttl` apart.
+    /// ever-new names do not accumulate keys. A counter made again after it expired starts from
+    /// the caller's clock in microseconds, so a name's fences keep increasing across the expiry
+    /// as long as the clocks of the machines that take it differ by less than `ttl`.
     ///
     /// ```
     /// # use std::time::Duration;

@@ -181,15 +181,15 @@
 //! rules for any prefix:
 //!
 //! ```text
-//! ACL SETUSER locks on >PASSWORD resetkeys ~myapp:* resetchannels &myapp:* -@all +fcall +evalsha +script|load +get +set +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hlen +rpush +lindex +llen +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots
+//! ACL SETUSER locks on >PASSWORD resetkeys ~myapp:* resetchannels &myapp:* -@all +fcall +evalsha +script|load +get +set +del +pexpire +pttl +type +hget +hmget +hset +hdel +hexists +hincrby +hsetnx +hlen +rpush +lindex +llen +lrange +publish +subscribe +unsubscribe +wait +role +cluster|slots
 //! ```
 //!
 //! * **Commands**: `FCALL` for every operation where the server has the lock's function
 //!   library, `EVALSHA` and `SCRIPT LOAD` where it does not (Redis 6, `FCALL` renamed away, a
 //!   user without `+fcall`, or the library missing and not loadable), and what the scripts
 //!   call, since Redis checks ACLs inside scripts too: `GET SET DEL PEXPIRE PTTL TYPE HGET
-//!   HMGET HSET HDEL HEXISTS HINCRBY HLEN RPUSH LINDEX LLEN LRANGE PUBLISH` (the list and hash
-//!   commands for run-once records; `SET`, `HINCRBY`, `PEXPIRE`, `GET`, `PTTL` and `LRANGE`
+//!   HMGET HSET HDEL HEXISTS HINCRBY HSETNX HLEN RPUSH LINDEX LLEN LRANGE PUBLISH` (the list and hash
+//!   commands for run-once records; `SET`, `HINCRBY`, `HSETNX`, `PEXPIRE`, `GET`, `PTTL` and `LRANGE`
 //!   are also sent outside scripts). `SUBSCRIBE`/`UNSUBSCRIBE` carry the release
 //!   notifications. Only some setups need the rest: `WAIT` the
 //!   [replica check](LockClientBuilder::replicas), `ROLE` Sentinel (the client checks the

@@ -9,7 +9,7 @@ use crate::{ConfigError, LockError};
 
 /// The commands the lock sends, for error messages (the full rule set is in the crate docs).
 pub(crate) const REQUIRED: &str = "EVALSHA and SCRIPT LOAD (or FCALL, with the function library \
-     loaded), and in scripts GET SET DEL PEXPIRE PTTL TYPE HGET HMGET HSET HDEL HEXISTS HINCRBY \
+     loaded), and in scripts GET SET DEL PEXPIRE PTTL TYPE HGET HMGET HSET HDEL HEXISTS HINCRBY HSETNX \
      HLEN RPUSH LINDEX LLEN LRANGE PUBLISH (plus SUBSCRIBE for notifications, WAIT for the \
      replica check, ROLE for Sentinel, CLUSTER SLOTS for Cluster)";
 

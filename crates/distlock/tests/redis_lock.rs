@@ -1399,3 +1399,63 @@ async fn a_dead_writers_parts_are_never_the_next_writers() {
         "the dead writer's part served as the next writer's"
     );
 }
+
+/// Waits, at most 10 s, until `key` is gone from Redis.
+async fn until_gone(redis: &mut redis::aio::MultiplexedConnection, key: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let exists: bool = redis.exists(key).await.unwrap();
+        if !exists {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{key} still in Redis after 10 s"
+        );
+        tokio::time::sleep(ms(20)).await;
+    }
+}
+
+/// With `fence_ttl`, a lock's fencing counter expires after that long unused (locks on
+/// ever-new names leave nothing behind), and a counter made again starts from the caller's
+/// clock, so that the fences of the name keep increasing across the expiry (before: made again
+/// from 0, the next holder drew fence 1 again, and a store that had seen the earlier holder's
+/// fence refused the later one). Exclusive (one pipeline) and reentrant (a script) locks.
+#[tokio::test]
+async fn a_fence_counter_that_expired_starts_again_above_the_fences_it_gave() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("fence-ttl");
+    let config = LockConfig::builder()
+        .lease(ms(200))
+        .fence_ttl(ms(300))
+        .build()
+        .unwrap();
+    let c = client(&server, &prefix, config).await;
+    let mut redis = server.connection().await;
+    let me = OwnerId::new("worker-1").unwrap();
+    for reentrant in [false, true] {
+        let name = if reentrant { "reentrant" } else { "exclusive" };
+        let lock = if reentrant {
+            c.reentrant(name, &me).unwrap()
+        } else {
+            c.lock(name).unwrap()
+        };
+        let state = lock.name().state_key().to_owned();
+        let guard = lock.try_acquire().await.unwrap();
+        let first = guard.fence();
+        assert!(guard.release().await.unwrap());
+        let pttl: i64 = redis.pttl(&state).await.unwrap();
+        assert!(
+            pttl > 0 && pttl <= 300,
+            "{name}: the counter expires with fence_ttl: {pttl}"
+        );
+        until_gone(&mut redis, &state).await;
+        let guard = lock.try_acquire().await.unwrap();
+        assert!(
+            guard.fence() > first,
+            "{name}: the fence after the counter expired ({}) is above the one before ({first})",
+            guard.fence()
+        );
+        assert!(guard.release().await.unwrap());
+    }
+}

@@ -1327,3 +1327,55 @@ async fn a_record_over_what_redlock_carries_is_refused_before_it_is_sent() {
         other => panic!("{other:?}"),
     }
 }
+
+/// With `fence_ttl`, every master's fence counter expires, and the counters made again start
+/// from the caller's clock (one start for every master, so they agree): the fence after the
+/// expiry is above the fences given before (before: made again from 0, fence 1 again).
+#[tokio::test]
+async fn fences_keep_increasing_across_an_expired_counter() {
+    let nodes = nodes(3, false).await;
+    let prefix = testkit::unique_prefix("rl-fence-ttl");
+    let config = LockConfig::builder()
+        .lease(ms(1_000))
+        .op_timeout(ms(250))
+        .fence_ttl(ms(1_200))
+        .build()
+        .unwrap();
+    let client = redlock(&nodes, &prefix, config).await;
+    let lock = client.lock("job").unwrap();
+    let state = lock.name().state_key().to_owned();
+    let guard = try_acquire(&lock).await.unwrap();
+    let first = guard.fence();
+    assert!(guard.release().await.unwrap());
+    let mut conns = Vec::new();
+    for node in &nodes {
+        let mut conn = node.connection().await;
+        let pttl: i64 = redis::AsyncCommands::pttl(&mut conn, &state).await.unwrap();
+        assert!(
+            pttl > 0 && pttl <= 1_200,
+            "every master's counter expires with fence_ttl: {pttl}"
+        );
+        conns.push(conn);
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    for conn in &mut conns {
+        loop {
+            let exists: bool = redis::AsyncCommands::exists(conn, &state).await.unwrap();
+            if !exists {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{state} still on a master after 10 s"
+            );
+            tokio::time::sleep(ms(20)).await;
+        }
+    }
+    let guard = try_acquire(&lock).await.unwrap();
+    assert!(
+        guard.fence() > first,
+        "the fence after the counters expired ({}) is above the one before ({first})",
+        guard.fence()
+    );
+    assert!(guard.release().await.unwrap());
+}

@@ -359,9 +359,10 @@ fn parse_flag(name: &str, what: &str, reply: Value) -> Result<bool, LockError> {
     }
 }
 
-/// Where a run-once record's new fencing counter starts: this machine's clock in microseconds.
-/// The counter lives as long as the record; one started again from 0 after the record expired
-/// would repeat the fences of runs already stored. Started from the clock, the fences of a
+/// Where a new fencing counter that expires starts (a run-once record's, a lock's with
+/// `fence_ttl`): this machine's clock in microseconds. The counter lives as long as the record
+/// (or `fence_ttl` after its last use); one started again from 0 after it expired would repeat
+/// the fences given before. Started from the clock, the fences of a
 /// record begun again keep increasing as long as the writers' clocks differ by less than the
 /// retention. (The caller's clock, not the server's: every Redlock node gets the same start, so
 /// their counters agree and the fence needs no second round.)
@@ -418,25 +419,35 @@ pub(crate) fn parse_acquired(name: &str, reply: Value) -> Result<Attempt, LockEr
 }
 
 /// Appends the draw of a fence to `pipe`: the counter's `HINCRBY`, then the state's expiry
-/// when it has one.
-fn draw(pipe: &mut redis::Pipeline, op: &Op) {
+/// when it has one. A counter that expires is made again from the caller's clock
+/// ([`counter_start`], `HSETNX` before the `HINCRBY`): made again from 0, it would repeat the
+/// fences of the holders before its expiry. Returns the index of the `HINCRBY`'s reply among
+/// the draw's.
+fn draw(pipe: &mut redis::Pipeline, op: &Op) -> usize {
     let state = op.name.state_key();
-    pipe.cmd("HINCRBY").arg(state).arg("n").arg("1");
     let ttl = op.state_ttl_ms();
     if ttl != 0 {
-        pipe.cmd("PEXPIRE").arg(state).arg(ttl);
+        pipe.cmd("HSETNX").arg(state).arg("n").arg(counter_start());
     }
+    pipe.cmd("HINCRBY").arg(state).arg("n").arg("1");
+    if ttl != 0 {
+        pipe.cmd("PEXPIRE").arg(state).arg(ttl);
+        return 1;
+    }
+    0
 }
 
-/// The fence of the replies to [`draw`]'s commands; an error if any of them failed.
+/// The fence of the replies to [`draw`]'s commands (the `HINCRBY`'s at `at`); an error if any
+/// of them failed.
 fn drawn(
     name: &str,
+    at: usize,
     replies: impl Iterator<Item = redis::RedisResult<Value>>,
 ) -> Result<u64, LockError> {
     let mut fence = None;
     for (i, reply) in replies.enumerate() {
         let reply = reply.map_err(|e| LockError::from_redis(name, false, e))?;
-        if i == 0 {
+        if i == at {
             fence = int(&reply).filter(|f| *f >= 1);
         }
     }
@@ -571,7 +582,7 @@ impl<C: Conn> RedisBackend<C> {
         if op.fencing {
             let mut pipe = redis::pipe();
             pipe.ignore_errors().add_command(set);
-            draw(&mut pipe, op);
+            let at = draw(&mut pipe, op);
             let replies: Vec<redis::RedisResult<Value>> =
                 pipe.query_async(&mut conn).await.map_err(ambiguous)?;
             let mut replies = replies.into_iter();
@@ -580,7 +591,7 @@ impl<C: Conn> RedisBackend<C> {
                 .ok_or_else(|| LockError::protocol(name, "acquire: no reply to SET"))?
                 .map_err(|e| LockError::from_redis(name, false, e))?;
             if taken != Value::Nil {
-                return self.fenced(op, drawn(name, replies)).await;
+                return self.fenced(op, drawn(name, at, replies)).await;
             }
         } else {
             let taken: Value = set.query_async(&mut conn).await.map_err(ambiguous)?;
@@ -605,11 +616,11 @@ impl<C: Conn> RedisBackend<C> {
                 // one is drawn now, while the lock is seen to be ours.
                 let mut pipe = redis::pipe();
                 pipe.ignore_errors();
-                draw(&mut pipe, op);
+                let at = draw(&mut pipe, op);
                 let replies: Result<Vec<redis::RedisResult<Value>>, _> =
                     pipe.query_async(&mut conn).await;
                 let fence = match replies {
-                    Ok(replies) => drawn(name, replies.into_iter()),
+                    Ok(replies) => drawn(name, at, replies.into_iter()),
                     Err(e) => Err(ambiguous(e)),
                 };
                 return self.fenced(op, fence).await;
@@ -692,11 +703,12 @@ impl<C: Conn> RedisBackend<C> {
                     (NodeAttempt::Attempt(self.acquire_plain(op).await?), None)
                 }
                 Mode::Exclusive => {
-                    let mut call = self.call(&SCRIPTS.acquire, &keys, 3);
+                    let mut call = self.call(&SCRIPTS.acquire, &keys, 4);
                     call.cmd
                         .arg(op.token.as_str())
                         .arg(millis(op.lease))
-                        .arg(op.state_ttl_ms());
+                        .arg(op.state_ttl_ms())
+                        .arg(counter_start());
                     let (reply, acknowledged) = self.eval_replicated(op, true, call).await?;
                     let attempt = match parse_acquired(name, reply)? {
                         // The unfenced kind hands out no fence, even through the script.
@@ -720,12 +732,13 @@ impl<C: Conn> RedisBackend<C> {
                     (parse_begin(name, reply)?, acknowledged)
                 }
                 Mode::Reentrant { owner } => {
-                    let mut call = self.call(&SCRIPTS.reentrant_acquire, &keys, 4);
+                    let mut call = self.call(&SCRIPTS.reentrant_acquire, &keys, 5);
                     call.cmd
                         .arg(owner.as_str())
                         .arg(millis(op.lease))
                         .arg(op.state_ttl_ms())
-                        .arg(op.token.as_str());
+                        .arg(op.token.as_str())
+                        .arg(counter_start());
                     let (reply, acknowledged) = self.eval_replicated(op, true, call).await?;
                     (
                         NodeAttempt::Attempt(parse_attempt(name, reply)?),

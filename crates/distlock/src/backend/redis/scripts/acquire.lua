@@ -15,6 +15,8 @@
 -- ARGV[1]  owner token (unique per acquisition)
 -- ARGV[2]  lease in milliseconds
 -- ARGV[3]  expiry of the state key in milliseconds, '0' to keep it
+-- ARGV[4]  where a counter that expires starts when made again: the caller's clock, in
+--          microseconds (from 0, it would repeat the fences given before it expired)
 --
 -- Returns the fence (>= 1) when taken. When another owner holds the lock, returns
 -- -1 - pttl: -1 - the remaining lease in ms, or 0 if the lock has no expiry. The same call
@@ -23,6 +25,9 @@
 -- (pcall: a lock key of another type, a reentrant lock of the same name, is held.)
 local holder = redis.pcall('GET', KEYS[1])
 if not holder then
+  if ARGV[3] ~= '0' then
+    redis.call('HSETNX', KEYS[2], 'n', ARGV[4])
+  end
   local fence = redis.call('HINCRBY', KEYS[2], 'n', '1')
   if ARGV[3] ~= '0' then
     redis.call('PEXPIRE', KEYS[2], ARGV[3])

@@ -24,7 +24,7 @@ local commands = {
   -- Exclusive locks: the lock's string, the fencing counter in the state hash.
   {'GET', lock}, {'SET', lock, 't', 'NX', 'PX', '1'}, {'PTTL', lock}, {'PEXPIRE', lock, '1'},
   {'DEL', lock}, {'TYPE', lock}, {'HINCRBY', state, 'n', '1'}, {'HGET', state, 'n'},
-  {'PEXPIRE', state, '1'},
+  {'PEXPIRE', state, '1'}, {'HSETNX', state, 'n', '1'},
   -- Reentrant locks: a hash at the lock key.
   {'HSET', lock, 'h', '1'}, {'HGET', lock, 'o'}, {'HDEL', lock, 'h'}, {'HEXISTS', lock, 'h'},
   {'HLEN', lock},

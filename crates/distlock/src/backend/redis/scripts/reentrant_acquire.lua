@@ -7,6 +7,8 @@
 -- ARGV[2]  lease in milliseconds
 -- ARGV[3]  expiry of the state key in milliseconds, '0' to keep it
 -- ARGV[4]  hold token (unique per acquisition, so that a release removes exactly one hold)
+-- ARGV[5]  where a counter that expires starts when made again: the caller's clock, in
+--          microseconds (from 0, it would repeat the fences given before it expired)
 --
 -- Returns {1, fence} when taken, {0, pttl} when held by another owner.
 --
@@ -21,6 +23,9 @@ local function refused(reply)
   return type(reply) == 'table' and reply.err ~= nil
 end
 if kind == 'none' then
+  if ARGV[3] ~= '0' then
+    redis.call('HSETNX', KEYS[2], 'n', ARGV[5])
+  end
   local fence = redis.call('HINCRBY', KEYS[2], 'n', '1')
   if ARGV[3] ~= '0' then
     redis.call('PEXPIRE', KEYS[2], ARGV[3])
