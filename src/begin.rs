@@ -262,7 +262,13 @@ where
     // The fingerprint is the tag a duplicate compares (copied again only on the rare wait).
     let tag = || Bytes::copy_from_slice(&fingerprint);
     let started = Instant::now();
-    let mut began = once.begin(tag()).await;
+    // A record this instance completed is replayed from its memory (a store with a replay
+    // cache), without a round trip.
+    let cached = (config.store.cache()).and_then(|cache| cache.get(&name));
+    let mut began = match cached {
+        Some(record) => Ok(Begin::Done(distlock::once::Record::one_part(record))),
+        None => once.begin(tag()).await,
+    };
     // Waiting duplicates follow a streamed record live; the others wait for an outcome only
     // briefly: the first request may have answered and be storing it (for a streamed body,
     // its client may have the last byte while the last part and the completion are on their

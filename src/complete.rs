@@ -282,6 +282,11 @@ pub(crate) async fn store_then(
 ) -> Event {
     let started = Instant::now();
     let fence = run.guard.fence();
+    // A one-part record is kept in the replay cache once stored (the epoch: unless a purge is
+    // heard before the answer).
+    let cache = (run.config.store.cache())
+        .filter(|_| run.guard.appended() == 0)
+        .map(|cache| (cache, cache.epoch()));
     let stored = {
         let in_order = run.config.store.client().sends_in_order();
         let timeout = run.guard.guard().config().op_timeout();
@@ -301,7 +306,13 @@ pub(crate) async fn store_then(
         }
     };
     let event = match stored {
-        Ok(()) => event,
+        Ok(()) => {
+            if let Some((cache, epoch)) = cache {
+                let name = run.guard.guard().name();
+                cache.insert(name, record, started, run.config.retention, epoch);
+            }
+            event
+        }
         Err(LockError::LeaseLost { reason, .. }) => {
             tracing::warn!(fence, %reason, "idempotency: lease lost while the handler ran; outcome NOT stored");
             Event::LeaseLost

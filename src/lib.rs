@@ -227,6 +227,7 @@
 
 mod begin;
 mod body;
+mod cache;
 mod complete;
 mod context;
 mod drive;
@@ -255,6 +256,7 @@ mod tee;
 mod transaction;
 
 pub use body::{BoxError, RequestBody, ResponseBody};
+pub use cache::{ReplayCache, ReplayCacheStats};
 pub use context::IdempotencyContext;
 #[cfg(feature = "axum")]
 pub use context::MissingIdempotencyContext;

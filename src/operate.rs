@@ -315,7 +315,12 @@ impl IdempotencyLayer {
     pub async fn purge(&self, request: &RequestKey) -> Result<Purge, OperateError> {
         let mut purge = Purge::default();
         for (name, _) in self.names(request).await? {
-            match self.once(&name)?.purge().await? {
+            let purged = self.once(&name)?.purge().await?;
+            // This instance's replay cache forgets it now (the others hear it from Redis).
+            if let Some(cache) = self.config().store.cache() {
+                cache.remove(&name);
+            }
+            match purged {
                 Purged::Deleted => purge.deleted += 1,
                 Purged::InFlight { lease_left } => purge.in_flight.push(InFlight {
                     name,

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use distlock::{ConfigError, LockClient, MemoryLimits};
 
+use crate::cache::{Cache, ReplayCache, ReplayCacheStats};
 use crate::live::Executions;
 
 /// The key prefix of the layer's store entries.
@@ -33,6 +34,10 @@ pub struct Store {
     client: LockClient,
     /// The protected executions of every layer on this store (and its clones) still running.
     executions: Arc<Executions>,
+    /// The Redis a replay cache hears purges from (a store made by [`Store::redis`]).
+    redis: Option<redis::Client>,
+    /// The local replay cache, if there is one.
+    cache: Option<Arc<Cache>>,
 }
 
 impl Store {
@@ -87,9 +92,72 @@ impl Store {
     /// # }
     /// ```
     pub fn redis(url: &str) -> Result<Self, ConfigError> {
-        Ok(Self::from_client(
-            LockClient::builder().prefix(DEFAULT_PREFIX)?.connect(url)?,
-        ))
+        let mut store =
+            Self::from_client(LockClient::builder().prefix(DEFAULT_PREFIX)?.connect(url)?);
+        store.redis = redis::Client::open(url).ok();
+        Ok(store)
+    }
+
+    /// This Redis store with a local replay cache: the responses this instance stored, kept
+    /// in its memory, so that a retry that lands on it is replayed without a round trip to
+    /// Redis (about half the retries behind a round-robin balancer of two instances, a third
+    /// with three; docs/BENCHMARKS.md has the figures). Streamed records are not cached.
+    ///
+    /// A purge ([`IdempotencyLayer::purge`](crate::IdempotencyLayer::purge), the
+    /// `idempotency purge` command) reaches every instance's cache through Redis pub/sub, on
+    /// the store's purge channel (`idem:purged`; the ACL rules of
+    /// [`distlock::acl_rules`] allow it): the instance that purges forgets the record at once,
+    /// the others as soon as the announcement arrives (a retry in between is replayed, as if
+    /// it had come just before the purge). While the subscription is down the cache is empty
+    /// and serves nothing; a subscription that dies without a word is found by a ping every
+    /// 5 s, and [`ReplayCache::max_age`] bounds what it could leave behind.
+    ///
+    /// # Errors
+    /// If the store was not made by [`Store::redis`] (its purges could not be heard), or
+    /// there is no Tokio runtime to listen on.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_idempotency::ConfigError> {
+    /// use tower_idempotency::{ReplayCache, Store};
+    /// let store = Store::redis("redis://127.0.0.1:6379/")?.replay_cache(ReplayCache::default())?;
+    /// assert!(Store::memory().replay_cache(ReplayCache::default()).is_err());
+    /// # let _ = store;
+    /// # Ok(()) }
+    /// ```
+    pub fn replay_cache(mut self, limits: ReplayCache) -> Result<Self, ConfigError> {
+        let Some(client) = self.redis.clone() else {
+            return Err(ConfigError::Invalid {
+                field: "replay_cache",
+                reason: format!(
+                    "{} cannot announce purges to a local cache: a replay cache needs Store::redis",
+                    self.describe()
+                ),
+            });
+        };
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(ConfigError::Invalid {
+                field: "replay_cache",
+                reason: "the cache listens for purges on a Tokio task: build it inside a runtime"
+                    .into(),
+            });
+        }
+        self.cache = Some(Cache::start(limits, client, self.client.purge_channel()));
+        Ok(self)
+    }
+
+    /// What the replay cache has done, if the store has one.
+    ///
+    /// ```
+    /// assert!(tower_idempotency::Store::memory().replay_cache_stats().is_none());
+    /// ```
+    pub fn replay_cache_stats(&self) -> Option<ReplayCacheStats> {
+        self.cache.as_ref().map(|cache| cache.stats())
+    }
+
+    /// The replay cache, if any.
+    pub(crate) fn cache(&self) -> Option<&Cache> {
+        self.cache.as_deref()
     }
 
     /// (Feature `postgres`) A PostgreSQL database at `url`
@@ -130,6 +198,8 @@ impl Store {
         Store {
             client,
             executions: Arc::default(),
+            redis: None,
+            cache: None,
         }
     }
 
@@ -139,6 +209,8 @@ impl Store {
         Store {
             client,
             executions: self.executions.clone(),
+            redis: self.redis.clone(),
+            cache: self.cache.clone(),
         }
     }
 

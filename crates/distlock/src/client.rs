@@ -214,6 +214,18 @@ impl LockClient {
         &self.inner.prefix
     }
 
+    /// The pub/sub channel on which a Redis store announces every record a purge deleted
+    /// ([`Once::purge`](crate::Once::purge)), with the purged name
+    /// ([`LockName::as_str`]) as the message: for caches of completed records kept outside the
+    /// store. `prefix:purged`.
+    ///
+    /// ```
+    /// assert_eq!(distlock::LockClient::memory().purge_channel(), "distlock:purged");
+    /// ```
+    pub fn purge_channel(&self) -> String {
+        crate::name::purge_channel(&self.inner.prefix)
+    }
+
     /// A short description of the store, for logs.
     ///
     /// ```

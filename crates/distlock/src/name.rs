@@ -131,6 +131,24 @@ impl LockName {
     }
 }
 
+/// The pub/sub channel on which the purges of records under `prefix` are announced (the
+/// purged name as the message): `prefix:purged`, or `purged` for an empty prefix.
+pub(crate) fn purge_channel(prefix: &str) -> String {
+    if prefix.is_empty() {
+        "purged".to_owned()
+    } else {
+        format!("{prefix}:purged")
+    }
+}
+
+impl LockName {
+    /// The channel [`purge_channel`] names for this name's prefix.
+    pub(crate) fn purge_channel(&self) -> String {
+        let prefix = &self.keys[..(self.name_start as usize - 1)];
+        purge_channel(prefix.strip_suffix(':').unwrap_or(prefix))
+    }
+}
+
 fn check_part(field: &'static str, value: &str, may_be_empty: bool) -> Result<(), ConfigError> {
     if value.is_empty() && !may_be_empty {
         return Err(ConfigError::invalid(field, "must not be empty"));

@@ -173,6 +173,18 @@ impl Record {
         Record { first, parts }
     }
 
+    /// A one-part record, as a cache of completed records kept beside the store holds it (the
+    /// bytes a [`complete`](OnceGuard::complete) stored).
+    ///
+    /// ```
+    /// let record = distlock::once::Record::one_part(bytes::Bytes::from_static(b"ok"));
+    /// assert_eq!(record.parts(), 1);
+    /// assert_eq!(record.whole().map(|b| &b[..]), Some(&b"ok"[..]));
+    /// ```
+    pub fn one_part(first: Bytes) -> Self {
+        Record { first, parts: 1 }
+    }
+
     /// The first part (the whole record when it has one part).
     ///
     /// ```

@@ -951,7 +951,8 @@ impl<C: Conn> Backend for RedisBackend<C> {
 
     fn purge<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Purged, LockError>> {
         Box::pin(async move {
-            let call = self.call(&SCRIPTS.purge, &record_keys(name), 0);
+            let mut call = self.call(&SCRIPTS.purge, &record_keys(name), 2);
+            call.cmd.arg(name.purge_channel()).arg(name.as_str());
             let reply = self.eval(name, true, call).await?;
             let bad = || LockError::protocol(name.as_str(), "purge: unexpected reply");
             let Value::Array(reply) = reply else {
