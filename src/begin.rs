@@ -265,6 +265,7 @@ where
     // A record this instance completed is replayed from its memory (a store with a replay
     // cache), without a round trip.
     let cached = (config.store.cache()).and_then(|cache| cache.get(&name));
+    let from_cache = cached.is_some();
     let mut began = match cached {
         Some(record) => Ok(Begin::Done(distlock::once::Record::one_part(record))),
         None => once.begin(tag()).await,
@@ -293,12 +294,15 @@ where
             Box::pin(once.begin_wait_done(tag(), wait)).await
         };
     }
-    let took = started.elapsed();
-    store_latency("begin", took);
-    span.record(
-        "store_us",
-        i64::try_from(took.as_micros()).unwrap_or(i64::MAX),
-    );
+    // (A replay from the replay cache asked the store nothing: no store latency.)
+    if !from_cache {
+        let took = started.elapsed();
+        store_latency("begin", took);
+        span.record(
+            "store_us",
+            i64::try_from(took.as_micros()).unwrap_or(i64::MAX),
+        );
+    }
     match began {
         Ok(Begin::Acquired(guard)) => {
             // A rotation under way: what the previous secrets' names hold.

@@ -6,10 +6,13 @@
 //! never past the record), at most [`ReplayCache::max_age`], and until a purge is heard:
 //! Redis announces every purge on the store's purge channel
 //! ([`distlock::LockClient::purge_channel`]), which a task of the store listens to. The cache
-//! serves only while that subscription stands: when the connection breaks (or a ping goes
-//! unanswered) the cache is emptied and serves nothing until it is subscribed again, since
-//! purges announced meanwhile were missed. A completion whose answer arrives after a purge was
-//! heard (of any name) is not cached: the purge may have come after it.
+//! serves only while that subscription is proven: the task publishes a heartbeat on the
+//! channel every [`ReplayCache::heartbeat`] and must hear it back; when the connection breaks,
+//! or a heartbeat does not come back within its period, the cache is emptied and serves
+//! nothing until it is subscribed again, since purges announced meanwhile were missed. (A
+//! heartbeat heard also proves every purge announced before it was heard.) A completion whose
+//! answer arrives after a purge was heard (of any name) is not cached: the purge may have come
+//! after it.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -20,12 +23,12 @@ use bytes::Bytes;
 use distlock::ConfigError;
 use futures_util::StreamExt;
 
-/// What an entry costs besides its record and name (the map's and queue's share, the
-/// allocation headers).
+/// What an entry costs besides its record and two copies of its name (the map's and queue's
+/// share, the allocation headers).
 const ENTRY_OVERHEAD: usize = 96;
 
-/// How often the subscription is checked with a ping, and how long the answer may take.
-const PING_EVERY: Duration = Duration::from_secs(5);
+/// What starts a heartbeat's message: braces, which no store name holds.
+const HEARTBEAT: &str = "{heartbeat}";
 
 /// Bounds of a [`Store`](crate::Store)'s local replay cache
 /// ([`Store::replay_cache`](crate::Store::replay_cache)).
@@ -35,6 +38,7 @@ const PING_EVERY: Duration = Duration::from_secs(5);
 /// | entries | 10,000 |
 /// | bytes (records, names and bookkeeping) | 16 MiB |
 /// | age of an entry | 60 s (and never past the record's retention) |
+/// | heartbeat | 5 s |
 ///
 /// When full, the oldest entries go first.
 ///
@@ -51,6 +55,7 @@ pub struct ReplayCache {
     entries: usize,
     bytes: usize,
     max_age: Duration,
+    heartbeat: Duration,
 }
 
 impl Default for ReplayCache {
@@ -59,6 +64,7 @@ impl Default for ReplayCache {
             entries: 10_000,
             bytes: 16 << 20,
             max_age: Duration::from_secs(60),
+            heartbeat: Duration::from_secs(5),
         }
     }
 }
@@ -82,9 +88,10 @@ impl ReplayCache {
         })
     }
 
-    /// The longest an entry is kept (default 60 s): how long a purge that this instance missed
-    /// without noticing (a subscription that died silently between two pings) could leave a
-    /// record replayed here.
+    /// The longest an entry is kept (default 60 s): how long a record that Redis lost without
+    /// a purge (evicted under a `volatile-*` or `allkeys-*` policy, flushed, deleted by hand,
+    /// lost in a failover behind a proxy) can still be replayed here while another instance
+    /// runs the request again.
     ///
     /// # Errors
     /// If `max_age` is zero.
@@ -96,6 +103,31 @@ impl ReplayCache {
             });
         }
         self.max_age = max_age;
+        Ok(self)
+    }
+
+    /// How often the purge subscription is proven (default 5 s): a heartbeat published on the
+    /// purge channel must come back within this period, else the cache is emptied and serves
+    /// nothing until subscribed again; and it serves only while the last heartbeat heard is
+    /// less than two periods old (a listener stalled, a Redis paused). Every instance hears
+    /// every other's heartbeats: with many instances, a longer period.
+    ///
+    /// # Errors
+    /// If `heartbeat` is zero.
+    ///
+    /// ```
+    /// let cache = tower_idempotency::ReplayCache::default()
+    ///     .heartbeat(std::time::Duration::from_secs(2))?;
+    /// # Ok::<(), tower_idempotency::ConfigError>(())
+    /// ```
+    pub fn heartbeat(mut self, heartbeat: Duration) -> Result<Self, ConfigError> {
+        if heartbeat.is_zero() {
+            return Err(ConfigError::Invalid {
+                field: "replay_cache",
+                reason: "a zero heartbeat".into(),
+            });
+        }
+        self.heartbeat = heartbeat;
         Ok(self)
     }
 
@@ -120,7 +152,8 @@ pub struct ReplayCacheStats {
     pub misses: u64,
     /// Records held now.
     pub entries: usize,
-    /// Whether the purge subscription stands (else the cache serves nothing).
+    /// Whether the cache serves now: subscribed to purges, its last heartbeat heard less than
+    /// two periods ago.
     pub live: bool,
 }
 
@@ -158,7 +191,7 @@ impl Entries {
 }
 
 fn cost(name: &str, record: &Bytes) -> usize {
-    name.len() + record.len() + ENTRY_OVERHEAD
+    2 * name.len() + record.len() + ENTRY_OVERHEAD
 }
 
 /// A store's replay cache, shared by the layers on it.
@@ -169,6 +202,10 @@ pub(crate) struct Cache {
     /// cached.
     epoch: AtomicU64,
     live: AtomicBool,
+    /// When the last heartbeat was heard (or the subscription confirmed), in milliseconds
+    /// after `base`.
+    heard: AtomicU64,
+    base: Instant,
     hits: AtomicU64,
     misses: AtomicU64,
     /// Dropped with the cache: the listening task ends.
@@ -194,6 +231,8 @@ impl Cache {
             entries: Mutex::default(),
             epoch: AtomicU64::new(0),
             live: AtomicBool::new(false),
+            heard: AtomicU64::new(0),
+            base: Instant::now(),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             _stop: stop,
@@ -206,9 +245,26 @@ impl Cache {
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn millis_since_base(&self) -> u64 {
+        u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The subscription is proven now (a heartbeat heard, the subscription confirmed).
+    fn heard(&self) {
+        self.heard
+            .fetch_max(self.millis_since_base(), Ordering::AcqRel);
+    }
+
+    /// Whether the cache may serve: subscribed, and a heartbeat heard within two periods.
+    fn serving(&self) -> bool {
+        let window = 2 * u64::try_from(self.limits.heartbeat.as_millis()).unwrap_or(u64::MAX / 4);
+        self.live.load(Ordering::Acquire)
+            && self.millis_since_base() < self.heard.load(Ordering::Acquire).saturating_add(window)
+    }
+
     /// The record completed here under `name`, if the cache holds it and may serve it.
     pub(crate) fn get(&self, name: &str) -> Option<Bytes> {
-        let found = if self.live.load(Ordering::Acquire) {
+        let found = if self.serving() {
             let mut entries = self.lock();
             match entries.map.get(name) {
                 Some(entry) if entry.expires > Instant::now() => Some(entry.record.clone()),
@@ -272,7 +328,7 @@ impl Cache {
             },
         );
         // The queue keeps stale ids of replaced entries: bounded by twice the entries.
-        if entries.order.len() > 2 * self.limits.entries {
+        if entries.order.len() > self.limits.entries.saturating_mul(2) {
             let Entries { map, order, .. } = &mut *entries;
             order.retain(|(name, id)| map.get(name).is_some_and(|e| e.id == *id));
         }
@@ -298,40 +354,50 @@ impl Cache {
             hits: self.hits.load(Ordering::Relaxed),
             misses: self.misses.load(Ordering::Relaxed),
             entries: self.lock().map.len(),
-            live: self.live.load(Ordering::Acquire),
+            live: self.serving(),
         }
     }
 }
 
 /// Listens to the purge channel for `cache` until it is dropped: subscribes (again after any
 /// failure, with backoff), empties the cache and lets it serve once subscribed, removes every
-/// name announced, pings every few seconds, and empties the cache and stops it serving as soon
-/// as the subscription is in doubt.
+/// name announced, publishes a heartbeat every period and empties the cache and stops it
+/// serving as soon as one is not heard back within its period.
 async fn listen(
     client: redis::Client,
     channel: String,
     cache: Weak<Cache>,
     mut stopped: tokio::sync::oneshot::Receiver<()>,
 ) {
+    let Some(period) = cache.upgrade().map(|c| c.limits.heartbeat) else {
+        return;
+    };
     let mut backoff = distlock::Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
     loop {
         let subscribed = tokio::select! {
             _ = &mut stopped => return,
-            subscribed = tokio::time::timeout(PING_EVERY, async {
+            subscribed = tokio::time::timeout(period.max(Duration::from_secs(1)), async {
                 let mut pubsub = client.get_async_pubsub().await?;
                 pubsub.subscribe(&channel).await?;
-                Ok::<_, redis::RedisError>(pubsub)
+                let config = redis::AsyncConnectionConfig::new().set_response_timeout(Some(period));
+                let publisher = client.get_multiplexed_async_connection_with_config(&config).await?;
+                Ok::<_, redis::RedisError>((pubsub, publisher))
             }) => subscribed,
         };
         match subscribed {
-            Ok(Ok(pubsub)) => {
+            Ok(Ok((pubsub, publisher))) => {
                 backoff.reset();
                 let Some(live) = cache.upgrade() else { return };
                 live.reset(true);
+                live.heard();
                 drop(live);
-                let (mut sink, mut messages) = pubsub.split();
-                let mut ping = tokio::time::interval(PING_EVERY);
-                ping.tick().await;
+                // This task's own heartbeat (other instances publish theirs on the channel).
+                let beat = format!("{HEARTBEAT}{}", distlock::Token::random());
+                let mut messages = pubsub.into_on_message();
+                let mut tick = tokio::time::interval(period);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                tick.tick().await;
+                let mut awaited = false;
                 loop {
                     tokio::select! {
                         _ = &mut stopped => return,
@@ -339,21 +405,40 @@ async fn listen(
                             let Some(message) = message else { break };
                             let Some(live) = cache.upgrade() else { return };
                             match std::str::from_utf8(message.get_payload_bytes()) {
+                                Ok(payload) if payload == beat => {
+                                    awaited = false;
+                                    live.heard();
+                                }
+                                // Another instance's heartbeat.
+                                Ok(payload) if payload.starts_with(HEARTBEAT) => {}
                                 Ok(name) => live.remove(name),
                                 // Not a name: whatever it was, empty the cache.
                                 Err(_) => live.reset(true),
                             }
                         }
-                        _ = ping.tick() => {
-                            let pong = tokio::time::timeout(PING_EVERY, sink.ping::<redis::Value>()).await;
-                            if !matches!(pong, Ok(Ok(_))) {
+                        _ = tick.tick() => {
+                            if awaited {
                                 break;
                             }
+                            awaited = true;
+                            // On a task of its own: purges are heard while it is on its way.
+                            let mut publisher = publisher.clone();
+                            let (channel, beat) = (channel.clone(), beat.clone());
+                            tokio::spawn(async move {
+                                let sent: redis::RedisResult<i64> = redis::cmd("PUBLISH")
+                                    .arg(channel)
+                                    .arg(beat)
+                                    .query_async(&mut publisher)
+                                    .await;
+                                if let Err(error) = sent {
+                                    tracing::debug!(%error, "idempotency replay cache: heartbeat not sent");
+                                }
+                            });
                         }
                     }
                 }
                 tracing::debug!(
-                    "idempotency replay cache: purge subscription lost; emptied until subscribed again"
+                    "idempotency replay cache: purge subscription lost or unproven; emptied until subscribed again"
                 );
             }
             Ok(Err(error)) => {
@@ -381,15 +466,22 @@ mod tests {
 
     fn cache(entries: usize, bytes: usize) -> Arc<Cache> {
         let (stop, _) = tokio::sync::oneshot::channel();
-        Arc::new(Cache {
-            limits: ReplayCache::new(entries, bytes).unwrap(),
+        let cache = Arc::new(Cache {
+            limits: ReplayCache::new(entries, bytes)
+                .unwrap()
+                .heartbeat(DAY)
+                .unwrap(),
             entries: Mutex::default(),
             epoch: AtomicU64::new(0),
             live: AtomicBool::new(true),
+            heard: AtomicU64::new(0),
+            base: Instant::now(),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             _stop: stop,
-        })
+        });
+        cache.heard();
+        cache
     }
 
     const DAY: Duration = Duration::from_secs(86_400);
@@ -418,6 +510,8 @@ mod tests {
         Arc::get_mut(&mut c).unwrap().limits = ReplayCache::new(10, 1 << 20)
             .unwrap()
             .max_age(Duration::from_secs(1))
+            .unwrap()
+            .heartbeat(DAY)
             .unwrap();
         c.insert(
             "a",
@@ -454,6 +548,22 @@ mod tests {
     }
 
     #[test]
+    fn nothing_served_once_the_last_heartbeat_is_two_periods_old() {
+        let mut c = cache(10, 1 << 20);
+        Arc::get_mut(&mut c).unwrap().limits = ReplayCache::default()
+            .heartbeat(Duration::from_millis(10))
+            .unwrap();
+        c.heard();
+        c.insert("a", b"ra", Instant::now(), DAY, c.epoch());
+        assert!(c.get("a").is_some(), "heard just now");
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(c.get("a"), None, "a listener that hears nothing");
+        assert!(!c.stats().live);
+        c.heard();
+        assert!(c.get("a").is_some(), "heard again");
+    }
+
+    #[test]
     fn the_oldest_go_first_within_both_bounds() {
         let c = cache(3, 1 << 20);
         for name in ["a", "b", "c", "d"] {
@@ -461,7 +571,7 @@ mod tests {
         }
         assert_eq!(c.get("a"), None);
         assert!(c.get("d").is_some());
-        let small = cache(100, 2 * (ENTRY_OVERHEAD + 11));
+        let small = cache(100, 2 * (ENTRY_OVERHEAD + 12));
         for name in ["a", "b", "c"] {
             small.insert(name, b"0123456789", Instant::now(), DAY, small.epoch());
         }

@@ -108,9 +108,10 @@ impl Store {
     /// the store's purge channel (`idem:purged`; the ACL rules of
     /// [`distlock::acl_rules`] allow it): the instance that purges forgets the record at once,
     /// the others as soon as the announcement arrives (a retry in between is replayed, as if
-    /// it had come just before the purge). While the subscription is down the cache is empty
-    /// and serves nothing; a subscription that dies without a word is found by a ping every
-    /// 5 s, and [`ReplayCache::max_age`] bounds what it could leave behind.
+    /// it had come just before the purge). The cache serves only while its subscription is
+    /// proven by a heartbeat it hears back ([`ReplayCache::heartbeat`]); otherwise it is empty
+    /// and the store is asked. A record Redis loses without a purge (evicted, flushed, lost in
+    /// a failover) may be replayed here for at most [`ReplayCache::max_age`].
     ///
     /// # Errors
     /// If the store was not made by [`Store::redis`] (its purges could not be heard), or

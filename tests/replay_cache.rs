@@ -27,9 +27,19 @@ struct Instance {
 }
 
 async fn instance(url: &str, runs: &Arc<AtomicUsize>, cached: bool) -> Instance {
+    let cache = cached.then(|| {
+        ReplayCache::default()
+            .heartbeat(Duration::from_secs(1))
+            .unwrap()
+    });
+    instance_with(url, runs, cache).await
+}
+
+async fn instance_with(url: &str, runs: &Arc<AtomicUsize>, cache: Option<ReplayCache>) -> Instance {
+    let cached = cache.is_some();
     let mut store = Store::redis(url).unwrap();
-    if cached {
-        store = store.replay_cache(ReplayCache::default()).unwrap();
+    if let Some(cache) = cache {
+        store = store.replay_cache(cache).unwrap();
     }
     store.prepare().await.expect("redis answers");
     let layer = IdempotencyLayer::builder(store.clone())
@@ -212,6 +222,44 @@ async fn a_cache_without_its_subscription_serves_nothing() {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
+/// A cache under the least-privilege ACL user (`distlock::acl_rules`, which refuses `PING`)
+/// proves its subscription with what the rules allow (a heartbeat it publishes and hears
+/// back), and keeps serving: a record cached before many heartbeats is still a hit after them.
+/// A Redis that stops answering (paused) stops the cache serving within two heartbeats, and it
+/// serves again once heartbeats come back, emptied.
+#[tokio::test]
+async fn a_least_privilege_user_keeps_its_cache_and_a_paused_redis_stops_it() {
+    let server = RedisServer::start_owned().await;
+    let url = server
+        .acl_user("idempotency", &distlock::acl_rules("idem"))
+        .await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let heartbeat = ReplayCache::default()
+        .heartbeat(Duration::from_millis(300))
+        .unwrap();
+    let a = instance_with(&url, &runs, Some(heartbeat)).await;
+    let client = client();
+    assert_eq!(pay(&client, &a, "k-5").await.status, StatusCode::CREATED);
+    wait_cached(&a.store, 1).await;
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert!(pay(&client, &a, "k-5").await.replayed());
+    let stats = a.store.replay_cache_stats().unwrap();
+    assert_eq!(
+        (stats.hits, stats.entries, stats.live),
+        (1, 1, true),
+        "served from the cache after 5 heartbeats: {stats:?}"
+    );
+    server.pause().await;
+    support::wait_until("a paused Redis stops the cache serving", || {
+        !a.store.replay_cache_stats().unwrap().live
+    })
+    .await;
+    server.resume().await;
+    wait_live(&a.store).await;
+    assert_eq!(a.store.replay_cache_stats().unwrap().entries, 0, "emptied");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 /// The cache's bounds are checked when built, and only a store that can announce purges to it
 /// takes one.
 #[tokio::test]
@@ -219,6 +267,7 @@ async fn a_cache_that_cannot_work_is_refused() {
     assert!(ReplayCache::new(0, 1).is_err());
     assert!(ReplayCache::new(1, 0).is_err());
     assert!(ReplayCache::default().max_age(Duration::ZERO).is_err());
+    assert!(ReplayCache::default().heartbeat(Duration::ZERO).is_err());
     let refused = Store::memory()
         .replay_cache(ReplayCache::default())
         .unwrap_err();

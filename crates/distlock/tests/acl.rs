@@ -165,6 +165,20 @@ async fn without_channel_rights_waiters_poll_after_one_warning() {
     let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
     let warnings = text.matches("notifications refused").count();
     assert_eq!(warnings, 1, "one warning, not one per wait:\n{text}");
+    // A purge deletes the record although its announcement (for replay caches) is refused.
+    let once = c.once("evt").unwrap();
+    let Begin::Acquired(guard) = within("begin", once.begin("t")).await.unwrap() else {
+        panic!("a new name is taken");
+    };
+    within("complete", guard.complete(b"done")).await.unwrap();
+    assert_eq!(
+        within("purge", once.purge()).await.unwrap(),
+        distlock::once::Purged::Deleted
+    );
+    assert!(matches!(
+        within("begin", once.begin("t")).await.unwrap(),
+        Begin::Acquired(_)
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

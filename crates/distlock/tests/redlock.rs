@@ -1379,3 +1379,33 @@ async fn fences_keep_increasing_across_an_expired_counter() {
     );
     assert!(guard.release().await.unwrap());
 }
+
+/// Every master of one attempt gets the same counter start: the fences of a new record (and
+/// of a counter made again after it expired) agree on every master, and the lock is used
+/// without a second round (before: each master's start was read from the clock when its call
+/// was made, microseconds apart; the fences differed, and the largest was written back to the
+/// others before use: a `fence_sync` call on two masters for every new record).
+#[tokio::test]
+async fn a_new_counter_agrees_on_every_master_without_a_second_round() {
+    let nodes = nodes(3, false).await;
+    let prefix = testkit::unique_prefix("rl-start");
+    let client = redlock(&nodes, &prefix, config(1_000)).await;
+    for round in 0..5 {
+        let mut before = Vec::new();
+        for node in &nodes {
+            before.push(node.script_calls().await);
+        }
+        let once = client.once(&format!("fresh-{round}")).unwrap();
+        let distlock::Begin::Acquired(guard) = once.begin("t").await.unwrap() else {
+            panic!("a new name is taken");
+        };
+        for (node, before) in nodes.iter().zip(&before) {
+            assert_eq!(
+                node.script_calls().await - before,
+                1,
+                "round {round}: one call per master (the begin), no fence written back"
+            );
+        }
+        guard.complete(b"done").await.unwrap();
+    }
+}

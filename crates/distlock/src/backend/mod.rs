@@ -61,6 +61,22 @@ impl Op {
     }
 }
 
+/// Where a new fencing counter starts (a run-once record's, a lock's with `fence_ttl`; on
+/// Redis and Postgres): this machine's clock in microseconds, taken once per acquisition
+/// attempt. The counter lives as long as the record (or `fence_ttl` after its last use); one
+/// started again from 0 after it expired would repeat the fences given before. Started from
+/// the clock, the fences of a name keep increasing as long as the clocks of the machines that
+/// take it differ by less than the retention (or `fence_ttl`). The caller's clock, not the
+/// server's: every Redlock master of one attempt gets the same start, so their counters agree
+/// and the fence needs no second round.
+pub(crate) fn counter_start() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+        // Below 2^53: Lua counts in doubles, and a larger counter would lose its last digits.
+        .min((1 << 53) - (1 << 32))
+}
+
 pub(crate) fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }

@@ -62,7 +62,9 @@ use bytes::Bytes;
 use deadpool_postgres::{Object, Pool};
 
 use super::waiters::Waiters;
-use super::{Appended, Attempt, Backend, BoxFuture, Mode, Op, REPLACE_PARTS, millis};
+use super::{
+    Appended, Attempt, Backend, BoxFuture, Mode, Op, REPLACE_PARTS, counter_start, millis,
+};
 use crate::once::{Holder, Inspection, Parts, Purged, Record, RecordState};
 use crate::{ConfigError, LockError, LockName, StoreWarning, Token};
 
@@ -1128,13 +1130,6 @@ fn escape_like(text: &str) -> String {
         out.push(c);
     }
     out
-}
-
-/// Where a new fencing counter starts: this machine's clock in microseconds (as on Redis).
-fn counter_start() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 /// Deletes expired rows every [`SWEEP_EVERY`], at most [`SWEEP_BATCH`] at a time, while the

@@ -289,7 +289,8 @@ impl<C: Conn> RedlockBackend<C> {
 
     async fn acquire_quorum(&self, op: &Op) -> Result<Attempt, LockError> {
         let started = crate::clock::now();
-        let mut fanout = self.fanout(op, |node| node.acquire_node(op)).await;
+        let start = super::counter_start();
+        let mut fanout = self.fanout(op, |node| node.acquire_node(op, start)).await;
         // (node, the fence it drew) for every node that took the lock.
         let mut fences: Vec<(usize, u64)> = Vec::new();
         let mut held_ttl: Option<Duration> = None;

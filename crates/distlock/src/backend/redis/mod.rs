@@ -13,7 +13,7 @@ use redis::Value;
 use redis::aio::ConnectionLike;
 
 use super::waiters::Waiters;
-use super::{Appended, Attempt, Backend, BoxFuture, Mode, Op, millis};
+use super::{Appended, Attempt, Backend, BoxFuture, Mode, Op, counter_start, millis};
 use crate::once::{Holder, Inspection, Parts, Purged, Record, RecordState};
 use crate::{LockError, LockName, StoreWarning};
 
@@ -359,21 +359,6 @@ fn parse_flag(name: &str, what: &str, reply: Value) -> Result<bool, LockError> {
     }
 }
 
-/// Where a new fencing counter that expires starts (a run-once record's, a lock's with
-/// `fence_ttl`): this machine's clock in microseconds. The counter lives as long as the record
-/// (or `fence_ttl` after its last use); one started again from 0 after it expired would repeat
-/// the fences given before. Started from the clock, the fences of a
-/// record begun again keep increasing as long as the writers' clocks differ by less than the
-/// retention. (The caller's clock, not the server's: every Redlock node gets the same start, so
-/// their counters agree and the fence needs no second round.)
-fn counter_start() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
-        // Below 2^53: Lua counts in doubles, and a larger counter would lose its last digits.
-        .min((1 << 53) - (1 << 32))
-}
-
 /// The `LRANGE` indexes of up to `max` parts from `from` (Redis list indexes are signed 64-bit:
 /// no list is that long).
 fn list_range(from: u64, max: usize) -> (u64, u64) {
@@ -423,11 +408,11 @@ pub(crate) fn parse_acquired(name: &str, reply: Value) -> Result<Attempt, LockEr
 /// ([`counter_start`], `HSETNX` before the `HINCRBY`): made again from 0, it would repeat the
 /// fences of the holders before its expiry. Returns the index of the `HINCRBY`'s reply among
 /// the draw's.
-fn draw(pipe: &mut redis::Pipeline, op: &Op) -> usize {
+fn draw(pipe: &mut redis::Pipeline, op: &Op, start: u64) -> usize {
     let state = op.name.state_key();
     let ttl = op.state_ttl_ms();
     if ttl != 0 {
-        pipe.cmd("HSETNX").arg(state).arg("n").arg(counter_start());
+        pipe.cmd("HSETNX").arg(state).arg("n").arg(start);
     }
     pipe.cmd("HINCRBY").arg(state).arg("n").arg("1");
     if ttl != 0 {
@@ -566,7 +551,7 @@ impl<C: Conn> RedisBackend<C> {
     ///
     /// A `SET` that took the lock but whose draw failed (the state key of another type, a
     /// refused write) is released: a lock without its fence does not stay behind.
-    async fn acquire_plain(&self, op: &Op) -> Result<Attempt, LockError> {
+    async fn acquire_plain(&self, op: &Op, start: u64) -> Result<Attempt, LockError> {
         // One round trip when the lock is free (the common case); the holder's remaining
         // lease, which paces waiting, costs a second one only when it is not.
         let name = op.name.as_str();
@@ -582,7 +567,7 @@ impl<C: Conn> RedisBackend<C> {
         if op.fencing {
             let mut pipe = redis::pipe();
             pipe.ignore_errors().add_command(set);
-            let at = draw(&mut pipe, op);
+            let at = draw(&mut pipe, op, start);
             let replies: Vec<redis::RedisResult<Value>> =
                 pipe.query_async(&mut conn).await.map_err(ambiguous)?;
             let mut replies = replies.into_iter();
@@ -616,7 +601,7 @@ impl<C: Conn> RedisBackend<C> {
                 // one is drawn now, while the lock is seen to be ours.
                 let mut pipe = redis::pipe();
                 pipe.ignore_errors();
-                let at = draw(&mut pipe, op);
+                let at = draw(&mut pipe, op, start);
                 let replies: Result<Vec<redis::RedisResult<Value>>, _> =
                     pipe.query_async(&mut conn).await;
                 let fence = match replies {
@@ -688,10 +673,12 @@ impl<C: Conn> RedisBackend<C> {
 
     /// An acquisition attempt ([`Backend::acquire`]); a Redlock master
     /// ([`with_inline_records`](Self::with_inline_records)) may answer with a record's size
-    /// and digest instead of a large record.
+    /// and digest instead of a large record. A fencing counter made now starts from `start`
+    /// ([`counter_start`], taken once per attempt: every Redlock master gets the same one).
     pub(crate) fn acquire_node<'a>(
         &'a self,
         op: &'a Op,
+        start: u64,
     ) -> BoxFuture<'a, Result<NodeAttempt, LockError>> {
         Box::pin(async move {
             let keys = [op.name.lock_key(), op.name.state_key()];
@@ -700,7 +687,10 @@ impl<C: Conn> RedisBackend<C> {
                 Mode::Exclusive
                     if (!op.fencing || self.pipelined_fences) && self.replicas.is_none() =>
                 {
-                    (NodeAttempt::Attempt(self.acquire_plain(op).await?), None)
+                    (
+                        NodeAttempt::Attempt(self.acquire_plain(op, start).await?),
+                        None,
+                    )
                 }
                 Mode::Exclusive => {
                     let mut call = self.call(&SCRIPTS.acquire, &keys, 4);
@@ -708,7 +698,7 @@ impl<C: Conn> RedisBackend<C> {
                         .arg(op.token.as_str())
                         .arg(millis(op.lease))
                         .arg(op.state_ttl_ms())
-                        .arg(counter_start());
+                        .arg(start);
                     let (reply, acknowledged) = self.eval_replicated(op, true, call).await?;
                     let attempt = match parse_acquired(name, reply)? {
                         // The unfenced kind hands out no fence, even through the script.
@@ -724,7 +714,7 @@ impl<C: Conn> RedisBackend<C> {
                         .arg(millis(op.lease))
                         .arg(op.state_ttl_ms())
                         .arg(tag.as_ref())
-                        .arg(counter_start());
+                        .arg(start);
                     if let Some(inline) = self.inline_records {
                         call.cmd.arg(inline);
                     }
@@ -738,7 +728,7 @@ impl<C: Conn> RedisBackend<C> {
                         .arg(millis(op.lease))
                         .arg(op.state_ttl_ms())
                         .arg(op.token.as_str())
-                        .arg(counter_start());
+                        .arg(start);
                     let (reply, acknowledged) = self.eval_replicated(op, true, call).await?;
                     (
                         NodeAttempt::Attempt(parse_attempt(name, reply)?),
@@ -803,7 +793,7 @@ impl<C: Conn> RedisBackend<C> {
 impl<C: Conn> Backend for RedisBackend<C> {
     fn acquire<'a>(&'a self, op: &'a Op) -> BoxFuture<'a, Result<Attempt, LockError>> {
         Box::pin(async move {
-            match self.acquire_node(op).await? {
+            match self.acquire_node(op, counter_start()).await? {
                 NodeAttempt::Attempt(attempt) => Ok(attempt),
                 // Only a Redlock master is asked to name large records instead of sending them.
                 NodeAttempt::Large { .. } => Err(LockError::protocol(
@@ -963,7 +953,17 @@ impl<C: Conn> Backend for RedisBackend<C> {
                     lease_left: ttl(pttl),
                 }),
                 (Some(1), Some(0)) => Ok(Purged::Absent),
-                (Some(1), Some(_)) => Ok(Purged::Deleted),
+                (Some(1), Some(_)) => {
+                    if reply.get(2).and_then(int) == Some(0) {
+                        tracing::warn!(
+                            name = name.as_str(),
+                            channel = name.purge_channel(),
+                            "purged, but the announcement was refused (a user without channel \
+                             rights): replay caches may replay the record until their max_age"
+                        );
+                    }
+                    Ok(Purged::Deleted)
+                }
                 _ => Err(bad()),
             }
         })

@@ -9,16 +9,20 @@
 --          All keys share one {hash tag}.
 -- ARGV[1]  the purge channel (LockClient::purge_channel)
 -- ARGV[2]  the name, announced there when a record is deleted: caches of completed records
---          kept beside the store drop it. Announced before the DEL, so that a refused PUBLISH
---          deletes nothing (a purge that no cache hears of would leave the record replayed).
+--          kept beside the store drop it. (pcall: a user without channel rights still purges;
+--          a cache cannot subscribe under such a user either, and serves nothing.)
 --
--- Returns {0, lock PTTL} when a lease holds the name (nothing deleted), {1, keys deleted}
--- otherwise (0: there was nothing).
+-- Returns {0, lock PTTL} when a lease holds the name (nothing deleted), {1, keys deleted,
+-- announced} otherwise (0 keys: there was nothing; announced 0 when the PUBLISH was refused).
 local pttl = redis.call('PTTL', KEYS[1])
 if pttl ~= -2 then
   return {0, pttl}
 end
+local announced = 1
 if redis.call('PTTL', KEYS[2]) ~= -2 then
-  redis.call('PUBLISH', ARGV[1], ARGV[2])
+  local published = redis.pcall('PUBLISH', ARGV[1], ARGV[2])
+  if type(published) == 'table' and published.err then
+    announced = 0
+  end
 end
-return {1, redis.call('DEL', KEYS[2], KEYS[3])}
+return {1, redis.call('DEL', KEYS[2], KEYS[3]), announced}
