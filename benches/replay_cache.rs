@@ -107,13 +107,14 @@ struct Window {
     replays: u64,
     hits: u64,
     redis_cpu: Duration,
+    redis_calls: u64,
     own_cpu: Duration,
 }
 
 /// `CLIENTS` clients for `window` after `warmup`, each request to the next of `instances`;
 /// with `retries`, each client retries the key it sent before after every new one.
 async fn load(
-    redis_pid: u32,
+    redis: &RedisServer,
     instances: &[(SocketAddr, Store)],
     retries: bool,
     mode: Mode,
@@ -158,6 +159,8 @@ async fn load(
             .map(|s| s.hits)
             .sum()
     };
+    let redis_pid = redis.pid().expect("testkit started redis-server here");
+    let calls0 = redis.script_calls().await;
     let (redis0, own0, hits0) = (
         process_cpu(redis_pid),
         process_cpu(std::process::id()),
@@ -166,17 +169,21 @@ async fn load(
     measuring.store(true, Ordering::Relaxed);
     tokio::time::sleep(mode.window).await;
     measuring.store(false, Ordering::Relaxed);
-    let window = Window {
+    let mut window = Window {
         executes: executes.load(Ordering::Relaxed),
         replays: replays.load(Ordering::Relaxed),
         hits: hits(instances) - hits0,
         redis_cpu: process_cpu(redis_pid) - redis0,
         own_cpu: process_cpu(std::process::id()) - own0,
+        redis_calls: 0,
     };
     stop.store(true, Ordering::Relaxed);
     for task in tasks {
         task.await.unwrap();
     }
+    // Counted after the load stopped: the calls of the requests the window counted, and of
+    // those in flight around it (a few dozen among tens of thousands).
+    window.redis_calls = redis.script_calls().await - calls0;
     window
 }
 
@@ -204,6 +211,7 @@ async fn one_connection(instance: &(SocketAddr, Store), mode: Mode) -> f64 {
 #[derive(Default)]
 struct Figures {
     hit_rate: Series,
+    calls_per_pair: [Series; 2],
     redis_per_pair: [Series; 2],
     own_per_pair: [Series; 2],
     own_per_execute: [Series; 2],
@@ -222,7 +230,6 @@ fn main() {
         .unwrap();
     runtime.block_on(async move {
         let server = RedisServer::start_owned().await;
-        let pid = server.pid().expect("testkit started redis-server here");
         let url = server.url();
         let mut figures = Figures::default();
         for round in 0..mode.rounds {
@@ -231,7 +238,7 @@ fn main() {
                 let cached = (round + step) % 2 == 1;
                 let v = usize::from(cached);
                 let instances = vec![instance(&url, cached).await, instance(&url, cached).await];
-                let mixed = load(pid, &instances, true, mode).await;
+                let mixed = load(&server, &instances, true, mode).await;
                 assert!(mixed.replays > 0, "no retries measured");
                 if cached {
                     figures
@@ -239,9 +246,11 @@ fn main() {
                         .push(mixed.hits as f64 / mixed.replays as f64);
                 }
                 let pairs = mixed.replays.min(mixed.executes);
+                figures.calls_per_pair[v]
+                    .push(mixed.redis_calls as f64 / (mixed.executes + mixed.replays) as f64 * 2.0);
                 figures.redis_per_pair[v].push(per(mixed.redis_cpu, pairs));
                 figures.own_per_pair[v].push(per(mixed.own_cpu, pairs));
-                let executes = load(pid, &instances, false, mode).await;
+                let executes = load(&server, &instances, false, mode).await;
                 figures.own_per_execute[v].push(per(executes.own_cpu, executes.executes));
                 figures.retry_p50[v].push(one_connection(&instances[0], mode).await);
             }
@@ -262,6 +271,10 @@ fn report(f: &Figures, mode: Mode) {
     row(&["hit rate of retries (2 instances)", &f.hit_rate.fmt_ratio()]);
     let ratio = |s: &[Series; 2]| s[1].ratio(&s[0]).fmt_ratio();
     row(&[
+        "Redis script calls per execute + retry, cache / none",
+        &ratio(&f.calls_per_pair),
+    ]);
+    row(&[
         "Redis CPU per execute + retry, cache / none",
         &ratio(&f.redis_per_pair),
     ]);
@@ -281,6 +294,15 @@ fn report(f: &Figures, mode: Mode) {
     row(&["absolute (median)", "no cache", "cache"]);
     row(&["---", "---", "---"]);
     let abs = |s: &[Series; 2], unit: &str| [s[0].fmt_abs(unit), s[1].fmt_abs(unit)];
+    let calls = [
+        format!("{:.2}", f.calls_per_pair[0].median()),
+        format!("{:.2}", f.calls_per_pair[1].median()),
+    ];
+    row(&[
+        "Redis script calls per execute + retry",
+        &calls[0],
+        &calls[1],
+    ]);
     for (name, s) in [
         (
             "Redis CPU per execute + retry",
