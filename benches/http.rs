@@ -49,6 +49,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use bytes::Bytes;
+use common::ops::process_cpu;
 use common::{Mode, Series, connect, percentile_us, row};
 use http_body_util::{BodyExt, Full};
 use testkit::RedisServer;
@@ -403,21 +404,6 @@ async fn fill(server: &Server, keys: u64, tag: &str) -> (f64, f64) {
         percentile_us(&mut latencies, 99.0),
         percentile_us(&mut latencies, 100.0),
     )
-}
-
-/// User + system CPU time of process `pid` (`self` for this one) so far, from /proc.
-fn process_cpu(pid: &str) -> Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let fields: Vec<&str> = stat
-        .rsplit(')')
-        .next()
-        .unwrap()
-        .split_whitespace()
-        .collect();
-    // After the command name: state is field 3, utime 14 and stime 15 (1-based, overall).
-    // In clock ticks of 10 ms (USER_HZ is 100 on Linux).
-    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
-    Duration::from_millis(ticks * 10)
 }
 
 /// CPU time of process `pid` and of its descendants alive now (PostgreSQL's backends), from

@@ -12,7 +12,6 @@
 //! * **One connection**: one client on one instance, a new key then its retry, in turn: the
 //!   retry's p50 latency (a cache hit when cached).
 
-#[path = "common/mod.rs"]
 mod common;
 
 use std::net::SocketAddr;
@@ -23,6 +22,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::routing::post;
 use bytes::Bytes;
+use common::ops::process_cpu;
 use common::{Mode, Series, connect, percentile_us, row};
 use http::StatusCode;
 use http_body_util::{BodyExt, Full};
@@ -87,19 +87,6 @@ async fn send(sender: &mut Sender, key: &str) -> bool {
     replayed
 }
 
-/// CPU time of process `pid` so far, from /proc (clock ticks of 10 ms).
-fn process_cpu(pid: u32) -> Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let fields: Vec<&str> = stat
-        .rsplit(')')
-        .next()
-        .unwrap()
-        .split_whitespace()
-        .collect();
-    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
-    Duration::from_millis(ticks * 10)
-}
-
 /// What a window of load did.
 #[derive(Default)]
 struct Window {
@@ -162,8 +149,8 @@ async fn load(
     let redis_pid = redis.pid().expect("testkit started redis-server here");
     let calls0 = redis.script_calls().await;
     let (redis0, own0, hits0) = (
-        process_cpu(redis_pid),
-        process_cpu(std::process::id()),
+        process_cpu(&redis_pid.to_string()),
+        process_cpu("self"),
         hits(instances),
     );
     measuring.store(true, Ordering::Relaxed);
@@ -173,8 +160,8 @@ async fn load(
         executes: executes.load(Ordering::Relaxed),
         replays: replays.load(Ordering::Relaxed),
         hits: hits(instances) - hits0,
-        redis_cpu: process_cpu(redis_pid) - redis0,
-        own_cpu: process_cpu(std::process::id()) - own0,
+        redis_cpu: process_cpu(&redis_pid.to_string()) - redis0,
+        own_cpu: process_cpu("self") - own0,
         redis_calls: 0,
     };
     stop.store(true, Ordering::Relaxed);

@@ -89,27 +89,6 @@ async fn pay(client: &Client, at: &Instance, key: &str) -> Reply {
     .await
 }
 
-/// How many times Redis ran the layer's scripts (a `begin` is one).
-async fn script_calls(server: &RedisServer) -> u64 {
-    let mut conn = server.connection().await;
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    info.lines()
-        .filter(|l| l.starts_with("cmdstat_fcall:") || l.starts_with("cmdstat_evalsha:"))
-        .filter_map(|l| {
-            l.split("calls=")
-                .nth(1)?
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
-}
-
 #[tokio::test]
 async fn a_retry_on_the_instance_that_ran_it_is_replayed_without_redis() {
     let server = RedisServer::start_owned().await;
@@ -120,9 +99,9 @@ async fn a_retry_on_the_instance_that_ran_it_is_replayed_without_redis() {
     let first = pay(&client, &a, "k-1").await;
     assert_eq!(first.status, StatusCode::CREATED);
     wait_cached(&a.store, 1).await;
-    let before = script_calls(&server).await;
+    let before = server.script_calls().await;
     let again = pay(&client, &a, "k-1").await;
-    let after = script_calls(&server).await;
+    let after = server.script_calls().await;
     assert!(again.replayed(), "{again:?}");
     assert_eq!(again.body, first.body);
     assert_eq!(
@@ -134,7 +113,7 @@ async fn a_retry_on_the_instance_that_ran_it_is_replayed_without_redis() {
     let elsewhere = pay(&client, &b, "k-1").await;
     assert!(elsewhere.replayed());
     assert_eq!(elsewhere.body, first.body);
-    assert!(script_calls(&server).await > after);
+    assert!(server.script_calls().await > after);
     assert_eq!(b.store.replay_cache_stats().unwrap().hits, 0);
     // Another body under the key is still refused (the record's fingerprint is checked).
     let other = http(
