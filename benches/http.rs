@@ -32,11 +32,20 @@
 //! idle CPUs sleep, the one-connection latency steps up with the server's work per request, and
 //! that row shows the step without the layer.
 //!
+//! The servers on memory and on Valkey, without a layer and with ours and each peer's, are also
+//! driven at a fixed rate (`PACED_RATE` requests/s over the same connections, below what every
+//! one of them serves): then each serves the same requests in the same time beside a load
+//! generator that takes the same CPU, and its CPU per request is not a share of two saturated
+//! cores. Beside them runs `floor` (benches/http/floor.rs), the least a layer with our
+//! guarantees does on a memory store; its added CPU is what any such layer must add.
+//!
 //! A server variant can also be run alone for other tools (it prints its port; stdin closing
 //! stops it), e.g. with `wrk` and `benches/wrk/new_keys.lua`:
 //! `target/release/deps/http-<hash> --serve memory redis://127.0.0.1:1`.
 
 mod common;
+#[path = "http/floor.rs"]
+mod floor;
 
 use std::io::BufRead;
 use std::net::SocketAddr;
@@ -161,6 +170,11 @@ async fn app(variant: &str, redis_url: &str) -> Router {
                     .unwrap(),
             )
         }
+        // The least a layer with our guarantees does (benches/http/floor.rs).
+        "floor" => routes.layer(axum::middleware::from_fn_with_state(
+            floor::Floor::new(),
+            floor::floor,
+        )),
         "axum-idempotent" => peer_app(
             routes,
             Arc::new(ruts::store::moka::MokaStore::builder().build()),
@@ -316,6 +330,22 @@ async fn load(
     tag: &str,
     connections: usize,
 ) -> Load {
+    paced_load(mode, server, path, cookies, tag, connections, None).await
+}
+
+/// [`load`], each connection sending at most `rate / connections` requests per second
+/// (`None`: as fast as its answers come). Below every server's capacity, every variant serves
+/// the same requests in the same time, and the load generator takes the same CPU beside it: the
+/// server CPU per request is then what the server spends, not a share of two busy cores.
+async fn paced_load(
+    mode: Mode,
+    server: &Server,
+    path: Path,
+    cookies: &[String],
+    tag: &str,
+    connections: usize,
+    rate: Option<f64>,
+) -> Load {
     let start = Instant::now();
     let measure_from = start + mode.warmup;
     let end = measure_from + mode.window;
@@ -324,11 +354,22 @@ async fn load(
         let addr = server.addr;
         let cookie = cookies.get(w).cloned();
         let tag = tag.to_owned();
+        // Connections spread evenly over one period.
+        let mut pace = rate.map(|rate| {
+            let period = Duration::from_secs_f64(connections as f64 / rate);
+            let first = start + period.mul_f64(w as f64 / connections as f64);
+            let mut pace = tokio::time::interval_at(first.into(), period);
+            pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            pace
+        });
         workers.push(tokio::spawn(async move {
             let mut sender = connect(addr).await;
             let mut latencies = Vec::new();
             let mut i = 0u64;
             loop {
+                if let Some(pace) = &mut pace {
+                    pace.tick().await;
+                }
                 let now = Instant::now();
                 if now >= end {
                     break;
@@ -640,7 +681,7 @@ struct Figures {
 }
 
 /// Every server of the run, and how it reads in the tables.
-const SERVERS: [(&str, &str); 12] = [
+const SERVERS: [(&str, &str); 13] = [
     ("none", "no layer"),
     ("none-slow", "no layer, a handler 15 µs slower"),
     ("memory", "ours, memory store (room for every key)"),
@@ -656,6 +697,10 @@ const SERVERS: [(&str, &str); 12] = [
     ("axum-idempotent-valkey", "axum-idempotent 0.6, Valkey 9"),
     ("idempotent", "idempotent 2.0, memory"),
     ("idempotent-valkey", "idempotent 2.0, Valkey 9"),
+    (
+        "floor",
+        "the floor: a minimal layer with our guarantees, memory",
+    ),
 ];
 
 /// What runs at `CONCURRENCY` connections: every server executes (but the slower handler's),
@@ -694,6 +739,22 @@ const SINGLE: [&str; 9] = [
     "idempotent-valkey",
 ];
 
+/// What runs at a fixed rate (execute, `CONCURRENCY` connections): the servers without a
+/// layer, with ours and with each peer's, on memory and on Valkey.
+const PACED: [&str; 8] = [
+    "none",
+    "memory",
+    "floor",
+    "axum-idempotent",
+    "idempotent",
+    "valkey",
+    "axum-idempotent-valkey",
+    "idempotent-valkey",
+];
+
+/// The fixed rate, requests per second: below what every server in [`PACED`] serves.
+const PACED_RATE: f64 = 4_000.0;
+
 fn label(name: &str) -> &'static str {
     SERVERS.iter().find(|(n, _)| *n == name).unwrap().1
 }
@@ -720,6 +781,8 @@ fn main() {
 struct Run {
     many: std::collections::HashMap<(&'static str, Path), Figures>,
     single: std::collections::HashMap<&'static str, Figures>,
+    /// Per server, execute at `CONCURRENCY` connections and `PACED_RATE` requests per second.
+    paced: std::collections::HashMap<&'static str, Figures>,
     raw_rtt: Series,
     rtt: Series,
     rtt_mt: Series,
@@ -834,6 +897,25 @@ async fn drive(mode: Mode, peer: &std::path::Path) {
             f.p50.push(l.p50_us);
             f.cpu.push(l.cpu_us_per_request);
         }
+        for name in PACED {
+            let tag = format!("r{round}{name}paced");
+            let l = paced_load(
+                mode,
+                server(name),
+                Path::Execute,
+                cookies_of(name),
+                &tag,
+                CONCURRENCY,
+                Some(PACED_RATE),
+            )
+            .await;
+            let f = run.paced.entry(name).or_default();
+            f.throughput.push(l.throughput);
+            f.cpu.push(l.cpu_us_per_request);
+            if let Some(c) = l.store_cpu_us_per_request {
+                f.store_cpu.push(c);
+            }
+        }
         for (name, path) in loads() {
             let tag = format!("r{round}{name}");
             let l = load(
@@ -885,6 +967,7 @@ fn report(
     // Server CPU per request beyond the same requests without a layer, in the same round.
     let added_cpu = |name, path| run.many(name, path).cpu.minus(&run.many("none", ex).cpu);
     let added_p50 = |name| run.single(name).p50.minus(&run.single("none").p50);
+    let paced_cpu = |name: &str| run.paced[name].cpu.minus(&run.paced["none"].cpu);
     println!(
         "\n## Against the peers ({} rounds × {:?} per figure, {CONCURRENCY} connections unless \
          said; {}; {valkey})\n",
@@ -947,6 +1030,24 @@ fn report(
         "≤ 1.0× idempotent",
     );
     line(
+        &format!(
+            "server CPU added to no layer, memory stores, execute, at {PACED_RATE} requests/s"
+        ),
+        &paced_cpu("memory"),
+        &paced_cpu("axum-idempotent"),
+        &paced_cpu("idempotent"),
+        " µs",
+        "≤ 1.0× idempotent",
+    );
+    line(
+        &format!("server CPU added to no layer, Valkey, execute, at {PACED_RATE} requests/s"),
+        &paced_cpu("valkey"),
+        &paced_cpu("axum-idempotent-valkey"),
+        &paced_cpu("idempotent-valkey"),
+        " µs",
+        "≤ 1.0× idempotent",
+    );
+    line(
         "server CPU added to no layer, Valkey, replay",
         &added_cpu("valkey", re),
         &added_cpu("axum-idempotent-valkey", re),
@@ -986,6 +1087,55 @@ fn report(
         " µs",
         "",
     );
+
+    // Paced figures are only comparable if every server kept the pace.
+    for name in PACED {
+        let rate = run.paced[name].throughput.min();
+        if rate < 0.95 * PACED_RATE {
+            println!(
+                "\n**{} served {rate:.0} requests/s at the slowest, below the pace of {PACED_RATE}: \
+                 its paced figures are not at the fixed rate.**",
+                label(name)
+            );
+        }
+    }
+
+    println!(
+        "\n## The floor: the least a layer with our guarantees adds (server CPU per request, \
+         memory stores, execute)\n"
+    );
+    row(&[
+        "load",
+        "floor",
+        "ours",
+        "idempotent",
+        "ours / floor",
+        "floor / idempotent",
+    ]);
+    row(&["---", "---", "---", "---", "---", "---"]);
+    for (load, floor, ours, idem) in [
+        (
+            format!("{CONCURRENCY} connections, as fast as answered"),
+            added_cpu("floor", ex),
+            added_cpu("memory", ex),
+            added_cpu("idempotent", ex),
+        ),
+        (
+            format!("{CONCURRENCY} connections, {PACED_RATE} requests/s"),
+            paced_cpu("floor"),
+            paced_cpu("memory"),
+            paced_cpu("idempotent"),
+        ),
+    ] {
+        row(&[
+            &load,
+            &format!("{:.1} µs", floor.median()),
+            &format!("{:.1} µs", ours.median()),
+            &format!("{:.1} µs", idem.median()),
+            &ours.ratio(&floor).fmt_ratio(),
+            &floor.ratio(&idem).fmt_ratio(),
+        ]);
+    }
 
     println!("\n## Every server ({CONCURRENCY} connections, medians)\n");
     row(&[

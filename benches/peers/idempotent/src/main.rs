@@ -5,6 +5,10 @@
 //! idempotent-peer <variant> <redis_url>   # variant: memory | valkey
 //! ```
 //!
+//! ```sh
+//! idempotent-peer --profile <execute|replay|none> <n>   # in process, like benches/layer.rs
+//! ```
+//!
 //! It prints its port on the first line of stdout, and exits when stdin closes. The URL is
 //! read by the `valkey` variant only, but always given, as the bench gives it to every variant.
 //!
@@ -67,8 +71,82 @@ async fn app(variant: &str, redis_url: &str) -> Router {
     }
 }
 
+/// The request of benches/layer.rs, byte for byte.
+fn request(key: &str) -> axum::http::Request<axum::body::Body> {
+    axum::http::Request::post("/pay")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(
+            r#"{"amount":1000,"currency":"eur"}"#,
+        ))
+        .unwrap()
+}
+
+async fn one(app: &Router, key: &str) -> usize {
+    use tower::ServiceExt;
+    let response = app.clone().oneshot(request(key)).await.unwrap();
+    let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    body.len()
+}
+
+/// [`one`] with every poll in a function of its own, as benches/layer.rs's `profiled`: the
+/// same callgrind toggle (`--toggle-collect='*poll_profiled*'`) counts the same span.
+async fn profiled(app: &Router, key: &str) -> usize {
+    let mut request = std::pin::pin!(one(app, key));
+    std::future::poll_fn(|cx| poll_profiled(request.as_mut(), cx)).await
+}
+
+#[inline(never)]
+fn poll_profiled<F: std::future::Future>(
+    request: std::pin::Pin<&mut F>,
+    cx: &mut std::task::Context<'_>,
+) -> std::task::Poll<F::Output> {
+    request.poll(cx)
+}
+
+/// `--profile <execute|replay|none> <n>`: n requests in process on a current-thread runtime,
+/// as `cargo bench --bench layer -- --profile` runs ours.
+fn profile(variant: &str, n: u64) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let routes = Router::new().route("/pay", post(pay));
+        let app = if variant == "none" {
+            routes
+        } else {
+            routes.layer(layer(
+                MemoryStore::builder()
+                    .try_build()
+                    .expect("the memory store"),
+            ))
+        };
+        one(&app, "stored").await;
+        let started = std::time::Instant::now();
+        for i in 0..n {
+            let key = if variant == "replay" {
+                "stored".to_owned()
+            } else {
+                format!("k-{i}")
+            };
+            std::hint::black_box(profiled(&app, &key).await);
+        }
+        let per = started.elapsed().as_secs_f64() * 1e6 / n as f64;
+        println!("{variant}: {per:.2} µs per request");
+    });
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [flag, variant, n] = args.as_slice()
+        && flag == "--profile"
+    {
+        profile(variant, n.parse().expect("a number of requests"));
+        return;
+    }
     let [variant, redis_url] = args.as_slice() else {
         eprintln!("usage: idempotent-peer <memory|valkey> <redis_url>");
         std::process::exit(2);
