@@ -172,7 +172,11 @@ async fn app(variant: &str, redis_url: &str) -> Router {
         }
         // The least a layer with our guarantees does (benches/http/floor.rs).
         "floor" => routes.layer(axum::middleware::from_fn_with_state(
-            floor::Floor::new(),
+            floor::Floor::memory(),
+            floor::floor,
+        )),
+        "floor-valkey" => routes.layer(axum::middleware::from_fn_with_state(
+            floor::Floor::valkey(redis_url).await,
             floor::floor,
         )),
         "axum-idempotent" => peer_app(
@@ -681,7 +685,7 @@ struct Figures {
 }
 
 /// Every server of the run, and how it reads in the tables.
-const SERVERS: [(&str, &str); 13] = [
+const SERVERS: [(&str, &str); 14] = [
     ("none", "no layer"),
     ("none-slow", "no layer, a handler 15 µs slower"),
     ("memory", "ours, memory store (room for every key)"),
@@ -700,6 +704,10 @@ const SERVERS: [(&str, &str); 13] = [
     (
         "floor",
         "the floor: a minimal layer with our guarantees, memory",
+    ),
+    (
+        "floor-valkey",
+        "the floor: a minimal layer with our guarantees, Valkey 9",
     ),
 ];
 
@@ -741,7 +749,7 @@ const SINGLE: [&str; 9] = [
 
 /// What runs at a fixed rate (execute, `CONCURRENCY` connections): the servers without a
 /// layer, with ours and with each peer's, on memory and on Valkey.
-const PACED: [&str; 8] = [
+const PACED: [&str; 9] = [
     "none",
     "memory",
     "floor",
@@ -750,6 +758,7 @@ const PACED: [&str; 8] = [
     "valkey",
     "axum-idempotent-valkey",
     "idempotent-valkey",
+    "floor-valkey",
 ];
 
 /// The fixed rate, requests per second: below what every server in [`PACED`] serves.
@@ -821,7 +830,9 @@ async fn drive(mode: Mode, peer: &std::path::Path) {
             let server = match *name {
                 "memory-default" => memory_default.take().unwrap(),
                 "redis" => Server::start(name, &url, redis.pid()),
-                "valkey" | "axum-idempotent-valkey" => Server::start(name, &valkey.url, valkey_pid),
+                "valkey" | "axum-idempotent-valkey" | "floor-valkey" => {
+                    Server::start(name, &valkey.url, valkey_pid)
+                }
                 "postgres" | "postgres-tx" => Server::start(name, &postgres.url(), postgres.pid()),
                 "idempotent" => Server::start_peer(peer, "memory", &url, None),
                 "idempotent-valkey" => Server::start_peer(peer, "valkey", &valkey.url, valkey_pid),
@@ -1101,38 +1112,71 @@ fn report(
     }
 
     println!(
-        "\n## The floor: the least a layer with our guarantees adds (server CPU per request, \
-         memory stores, execute)\n"
+        "\n## The floor: the least a layer with our guarantees adds, per execute (medians; \
+         ratios min / median / max)\n"
     );
     row(&[
-        "load",
+        "figure",
         "floor",
         "ours",
+        "axum-idempotent",
         "idempotent",
         "ours / floor",
+        "floor / axum-idempotent",
         "floor / idempotent",
     ]);
-    row(&["---", "---", "---", "---", "---", "---"]);
-    for (load, floor, ours, idem) in [
+    row(&["---", "---", "---", "---", "---", "---", "---", "---"]);
+    let fast = format!("{CONCURRENCY} connections, as fast as answered");
+    let paced = format!("{CONCURRENCY} connections, {PACED_RATE} requests/s");
+    let store = |name| store_cpu(name, ex).clone();
+    for (figure, [floor, ours, axum, idem]) in [
         (
-            format!("{CONCURRENCY} connections, as fast as answered"),
-            added_cpu("floor", ex),
-            added_cpu("memory", ex),
-            added_cpu("idempotent", ex),
+            format!("server CPU added, memory stores, {fast}"),
+            ["floor", "memory", "axum-idempotent", "idempotent"].map(|n| added_cpu(n, ex)),
         ),
         (
-            format!("{CONCURRENCY} connections, {PACED_RATE} requests/s"),
-            paced_cpu("floor"),
-            paced_cpu("memory"),
-            paced_cpu("idempotent"),
+            format!("server CPU added, memory stores, {paced}"),
+            ["floor", "memory", "axum-idempotent", "idempotent"].map(paced_cpu),
+        ),
+        (
+            format!("server CPU added, Valkey, {fast}"),
+            [
+                "floor-valkey",
+                "valkey",
+                "axum-idempotent-valkey",
+                "idempotent-valkey",
+            ]
+            .map(|n| added_cpu(n, ex)),
+        ),
+        (
+            format!("server CPU added, Valkey, {paced}"),
+            [
+                "floor-valkey",
+                "valkey",
+                "axum-idempotent-valkey",
+                "idempotent-valkey",
+            ]
+            .map(paced_cpu),
+        ),
+        (
+            format!("Valkey CPU, {fast}"),
+            [
+                "floor-valkey",
+                "valkey",
+                "axum-idempotent-valkey",
+                "idempotent-valkey",
+            ]
+            .map(store),
         ),
     ] {
         row(&[
-            &load,
+            &figure,
             &format!("{:.1} µs", floor.median()),
             &format!("{:.1} µs", ours.median()),
+            &format!("{:.1} µs", axum.median()),
             &format!("{:.1} µs", idem.median()),
             &ours.ratio(&floor).fmt_ratio(),
+            &floor.ratio(&axum).fmt_ratio(),
             &floor.ratio(&idem).fmt_ratio(),
         ]);
     }
