@@ -36,8 +36,8 @@
 //! driven at a fixed rate (`PACED_RATE` requests/s over the same connections, below what every
 //! one of them serves): then each serves the same requests in the same time beside a load
 //! generator that takes the same CPU, and its CPU per request is not a share of two saturated
-//! cores. Beside them runs `floor` (benches/http/floor.rs), the least a layer with our
-//! guarantees does on a memory store; its added CPU is what any such layer must add.
+//! cores. Beside them run `floor` and `floor-valkey` (benches/http/floor.rs), the least a layer
+//! with our guarantees does on each store; their added CPU is what any such layer must add.
 //!
 //! A server variant can also be run alone for other tools (it prints its port; stdin closing
 //! stops it), e.g. with `wrk` and `benches/wrk/new_keys.lua`:
