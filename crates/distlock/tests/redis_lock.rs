@@ -940,6 +940,58 @@ async fn every_key_of_a_streamed_record_has_the_retention() {
     assert!(!exists);
 }
 
+/// The absolute expiry (Unix ms, `PEXPIRETIME`) of the state and of the parts of `name`'s
+/// record, read in one transaction.
+async fn expiry_times(
+    r: &mut redis::aio::MultiplexedConnection,
+    name: &distlock::LockName,
+) -> (i64, i64) {
+    redis::pipe()
+        .atomic()
+        .cmd("PEXPIRETIME")
+        .arg(name.state_key())
+        .cmd("PEXPIRETIME")
+        .arg(name.parts_key())
+        .query_async(r)
+        .await
+        .unwrap()
+}
+
+/// A streamed record's parts never expire before the state that says it is done. Redis (7.0)
+/// reads its clock per command inside a script: the completion set the parts' retention first
+/// and the state's a moment later, so when a millisecond passed between them the state outlived
+/// its parts by 1 ms, in which a replay found "done" and no parts (unreadable instead of a
+/// fresh run). Many completions, each checked on the absolute expiry times.
+#[tokio::test]
+async fn a_streamed_records_parts_never_expire_before_its_state() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("stream-expiry-order");
+    let c = client(&server, &prefix, LockConfig::default()).await;
+    let mut r = server.connection().await;
+    let mut inverted = Vec::new();
+    for i in 0..2_000 {
+        let once = c
+            .once(&format!("export-{i}"))
+            .unwrap()
+            .retention(Duration::from_secs(60))
+            .unwrap();
+        let Begin::Acquired(g) = once.begin("t").await.unwrap() else {
+            panic!("free")
+        };
+        g.append(b"p0").await.unwrap();
+        g.complete(b"end").await.unwrap();
+        let (state, parts) = expiry_times(&mut r, once.name()).await;
+        assert!(state > 0 && parts > 0, "state {state}, parts {parts}");
+        if parts < state {
+            inverted.push((i, state - parts));
+        }
+    }
+    assert!(
+        inverted.is_empty(),
+        "records whose parts expire before their state (record, ms): {inverted:?}"
+    );
+}
+
 /// A release hands the lock to the next waiter of its own client in the release's round trip,
 /// ahead of other clients' waiters (woken by the store's announcement, a round trip later); not
 /// every time (one release in nine, drawn at random, wakes it only once answered), so a waiter

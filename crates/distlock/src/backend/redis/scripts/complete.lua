@@ -44,11 +44,16 @@ if redis.pcall('GET', KEYS[1]) == ARGV[1] then
       return -1 - stored
     end
     redis.call('RPUSH', KEYS[3], ARGV[2])
-    redis.call('PEXPIRE', KEYS[3], ARGV[3])
     redis.call('HSET', KEYS[2], 'p', stored + 1, 'c', ARGV[1])
   end
   redis.call('HDEL', KEYS[2], 'm')
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  -- The parts' retention after the state's: Redis (before 7.2) reads its clock per command in a
+  -- script, and parts that expired a millisecond before the state saying done would make a
+  -- replay unreadable instead of a fresh run.
+  if ARGV[4] ~= '0' and ARGV[4] ~= '-1' then
+    redis.call('PEXPIRE', KEYS[3], ARGV[3])
+  end
   redis.call('DEL', KEYS[1])
   -- Announced always: whoever waits (a duplicate, a reader following the parts, a client of
   -- another version) cannot be known here without a mark every waiter would have to write.
