@@ -325,23 +325,13 @@ struct Load {
     store_cpu_us_per_request: Option<f64>,
 }
 
-/// Closed-loop load on `connections` connections for the mode's window after its warm-up.
+/// Load on `connections` connections for the mode's window after its warm-up: closed loop
+/// (`rate` `None`: each connection sends as soon as its answer comes), or each connection
+/// sending at most `rate / connections` requests per second. Below every server's capacity,
+/// every variant serves the same requests in the same time, and the load generator takes the
+/// same CPU beside it: the server CPU per request is then what the server spends, not a share
+/// of two busy cores.
 async fn load(
-    mode: Mode,
-    server: &Server,
-    path: Path,
-    cookies: &[String],
-    tag: &str,
-    connections: usize,
-) -> Load {
-    paced_load(mode, server, path, cookies, tag, connections, None).await
-}
-
-/// [`load`], each connection sending at most `rate / connections` requests per second
-/// (`None`: as fast as its answers come). Below every server's capacity, every variant serves
-/// the same requests in the same time, and the load generator takes the same CPU beside it: the
-/// server CPU per request is then what the server spends, not a share of two busy cores.
-async fn paced_load(
     mode: Mode,
     server: &Server,
     path: Path,
@@ -903,14 +893,23 @@ async fn drive(mode: Mode, peer: &std::path::Path) {
         run.rtt_mt.push(r);
         for name in SINGLE {
             let tag = format!("r{round}{name}1");
-            let l = load(mode, server(name), Path::Execute, cookies_of(name), &tag, 1).await;
+            let l = load(
+                mode,
+                server(name),
+                Path::Execute,
+                cookies_of(name),
+                &tag,
+                1,
+                None,
+            )
+            .await;
             let f = run.single.entry(name).or_default();
             f.p50.push(l.p50_us);
             f.cpu.push(l.cpu_us_per_request);
         }
         for name in PACED {
             let tag = format!("r{round}{name}paced");
-            let l = paced_load(
+            let l = load(
                 mode,
                 server(name),
                 Path::Execute,
@@ -936,6 +935,7 @@ async fn drive(mode: Mode, peer: &std::path::Path) {
                 cookies_of(name),
                 &tag,
                 CONCURRENCY,
+                None,
             )
             .await;
             let f = run.many.entry((name, path)).or_default();

@@ -10,6 +10,7 @@
 //! cargo bench --bench layer -- --profile execute 20000   # a fixed run, for callgrind/perf
 //!                                                        # (execute, replay, inline, none, full):
 //! valgrind --tool=callgrind target/release/deps/layer-* --profile execute 20000
+//! # (common::profiled: every poll of a profiled request in `poll_profiled`)
 //! ```
 
 mod common;
@@ -72,23 +73,6 @@ async fn one(app: &Router, key: &str) -> usize {
     let response = app.clone().oneshot(request(key)).await.unwrap();
     let body = response.into_body().collect().await.unwrap().to_bytes();
     body.len()
-}
-
-/// [`one`] in the profiled loop only (not the warm-up request before it), every poll in a
-/// function of its own, for tools that measure one function: `valgrind --tool=callgrind
-/// --collect-atstart=no --toggle-collect='layer::poll_profiled*' --dump-instr=yes` gives the
-/// code a request runs.
-async fn profiled(app: &Router, key: &str) -> usize {
-    let mut request = std::pin::pin!(one(app, key));
-    std::future::poll_fn(|cx| poll_profiled(request.as_mut(), cx)).await
-}
-
-#[inline(never)]
-fn poll_profiled<F: std::future::Future>(
-    request: std::pin::Pin<&mut F>,
-    cx: &mut std::task::Context<'_>,
-) -> std::task::Poll<F::Output> {
-    request.poll(cx)
 }
 
 /// More keys than the default store holds: from here on every new key evicts an old record.
@@ -317,7 +301,7 @@ fn main() {
                 } else {
                     format!("k-{i}")
                 };
-                black_box(profiled(&app, &key).await);
+                black_box(common::profiled::profiled(one(&app, &key)).await);
             }
         });
         return;

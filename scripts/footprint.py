@@ -5,7 +5,7 @@ A request that comes after the CPU was idle finds little of its code in the cach
 costs then grows with the code it runs, not with the instructions it executes (see
 docs/BENCHMARKS.md, "The layer in process"). This counts that code: it runs the layer bench's profile loop
 (`--profile <variant> N`) under callgrind, collecting only inside the profiled requests
-(`layer::poll_profiled`), and counts the distinct instruction addresses and 64-byte code lines
+(`common::profiled::poll_profiled`), and counts the distinct instruction addresses and 64-byte code lines
 executed, per variant, and per function for the lines a layered request adds.
 
     cargo bench --bench layer --no-run
@@ -71,7 +71,7 @@ def run(binary, variant, n, out):
             "--tool=callgrind",
             "--dump-instr=yes",
             "--collect-atstart=no",
-            "--toggle-collect=layer::poll_profiled*",
+            "--toggle-collect=*::poll_profiled*",
             f"--callgrind-out-file={out}",
             binary,
             "--profile",

@@ -8,6 +8,7 @@
 
 pub mod ops;
 pub mod peer;
+pub mod profiled;
 
 use std::time::Duration;
 

@@ -91,20 +91,10 @@ async fn one(app: &Router, key: &str) -> usize {
     body.len()
 }
 
-/// [`one`] with every poll in a function of its own, as benches/layer.rs's `profiled`: the
-/// same callgrind toggle (`--toggle-collect='*poll_profiled*'`) counts the same span.
-async fn profiled(app: &Router, key: &str) -> usize {
-    let mut request = std::pin::pin!(one(app, key));
-    std::future::poll_fn(|cx| poll_profiled(request.as_mut(), cx)).await
-}
-
-#[inline(never)]
-fn poll_profiled<F: std::future::Future>(
-    request: std::pin::Pin<&mut F>,
-    cx: &mut std::task::Context<'_>,
-) -> std::task::Poll<F::Output> {
-    request.poll(cx)
-}
+/// The helper benches/layer.rs profiles its requests with: the same span for callgrind.
+#[path = "../../../common/profiled.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod profiled;
 
 /// `--profile <execute|replay|none> <n>`: n requests in process on a current-thread runtime,
 /// as `cargo bench --bench layer -- --profile` runs ours.
@@ -132,7 +122,7 @@ fn profile(variant: &str, n: u64) {
             } else {
                 format!("k-{i}")
             };
-            std::hint::black_box(profiled(&app, &key).await);
+            std::hint::black_box(profiled::profiled(one(&app, &key)).await);
         }
         let per = started.elapsed().as_secs_f64() * 1e6 / n as f64;
         println!("{variant}: {per:.2} µs per request");
