@@ -674,6 +674,19 @@ struct Figures {
     store_cpu: Series,
 }
 
+impl Figures {
+    /// Adds one round's load.
+    fn push(&mut self, l: &Load) {
+        self.throughput.push(l.throughput);
+        self.p50.push(l.p50_us);
+        self.p99.push(l.p99_us);
+        self.cpu.push(l.cpu_us_per_request);
+        if let Some(c) = l.store_cpu_us_per_request {
+            self.store_cpu.push(c);
+        }
+    }
+}
+
 /// Every server of the run, and how it reads in the tables.
 const SERVERS: [(&str, &str); 14] = [
     ("none", "no layer"),
@@ -865,6 +878,19 @@ async fn drive(mode: Mode, peer: &std::path::Path) {
         }
     }
 
+    // One load on a server of the run, with the session cookies it needs.
+    let measure = async |name: &str, path, tag: &str, connections, rate| {
+        load(
+            mode,
+            server(name),
+            path,
+            cookies_of(name),
+            tag,
+            connections,
+            rate,
+        )
+        .await
+    };
     let mut run = Run::default();
     let redis_port: u16 = url
         .trim_end_matches('/')
@@ -893,59 +919,18 @@ async fn drive(mode: Mode, peer: &std::path::Path) {
         run.rtt_mt.push(r);
         for name in SINGLE {
             let tag = format!("r{round}{name}1");
-            let l = load(
-                mode,
-                server(name),
-                Path::Execute,
-                cookies_of(name),
-                &tag,
-                1,
-                None,
-            )
-            .await;
-            let f = run.single.entry(name).or_default();
-            f.p50.push(l.p50_us);
-            f.cpu.push(l.cpu_us_per_request);
+            let l = measure(name, Path::Execute, &tag, 1, None).await;
+            run.single.entry(name).or_default().push(&l);
         }
         for name in PACED {
             let tag = format!("r{round}{name}paced");
-            let l = load(
-                mode,
-                server(name),
-                Path::Execute,
-                cookies_of(name),
-                &tag,
-                CONCURRENCY,
-                Some(PACED_RATE),
-            )
-            .await;
-            let f = run.paced.entry(name).or_default();
-            f.throughput.push(l.throughput);
-            f.cpu.push(l.cpu_us_per_request);
-            if let Some(c) = l.store_cpu_us_per_request {
-                f.store_cpu.push(c);
-            }
+            let l = measure(name, Path::Execute, &tag, CONCURRENCY, Some(PACED_RATE)).await;
+            run.paced.entry(name).or_default().push(&l);
         }
         for (name, path) in loads() {
             let tag = format!("r{round}{name}");
-            let l = load(
-                mode,
-                server(name),
-                path,
-                cookies_of(name),
-                &tag,
-                CONCURRENCY,
-                None,
-            )
-            .await;
-            let f = run.many.entry((name, path)).or_default();
-            f.throughput.push(l.throughput);
-            f.p50.push(l.p50_us);
-            f.p99.push(l.p99_us);
-            f.cpu.push(l.cpu_us_per_request);
-            if let Some(c) = l.store_cpu_us_per_request {
-                f.store_cpu.push(c);
-            }
+            let l = measure(name, path, &tag, CONCURRENCY, None).await;
+            run.many.entry((name, path)).or_default().push(&l);
         }
     }
     report(
@@ -1129,45 +1114,31 @@ fn report(
     let fast = format!("{CONCURRENCY} connections, as fast as answered");
     let paced = format!("{CONCURRENCY} connections, {PACED_RATE} requests/s");
     let store = |name| store_cpu(name, ex).clone();
+    let on_memory = ["floor", "memory", "axum-idempotent", "idempotent"];
+    let on_valkey = [
+        "floor-valkey",
+        "valkey",
+        "axum-idempotent-valkey",
+        "idempotent-valkey",
+    ];
     for (figure, [floor, ours, axum, idem]) in [
         (
             format!("server CPU added, memory stores, {fast}"),
-            ["floor", "memory", "axum-idempotent", "idempotent"].map(|n| added_cpu(n, ex)),
+            on_memory.map(|n| added_cpu(n, ex)),
         ),
         (
             format!("server CPU added, memory stores, {paced}"),
-            ["floor", "memory", "axum-idempotent", "idempotent"].map(paced_cpu),
+            on_memory.map(paced_cpu),
         ),
         (
             format!("server CPU added, Valkey, {fast}"),
-            [
-                "floor-valkey",
-                "valkey",
-                "axum-idempotent-valkey",
-                "idempotent-valkey",
-            ]
-            .map(|n| added_cpu(n, ex)),
+            on_valkey.map(|n| added_cpu(n, ex)),
         ),
         (
             format!("server CPU added, Valkey, {paced}"),
-            [
-                "floor-valkey",
-                "valkey",
-                "axum-idempotent-valkey",
-                "idempotent-valkey",
-            ]
-            .map(paced_cpu),
+            on_valkey.map(paced_cpu),
         ),
-        (
-            format!("Valkey CPU, {fast}"),
-            [
-                "floor-valkey",
-                "valkey",
-                "axum-idempotent-valkey",
-                "idempotent-valkey",
-            ]
-            .map(store),
-        ),
+        (format!("Valkey CPU, {fast}"), on_valkey.map(store)),
     ] {
         row(&[
             &figure,

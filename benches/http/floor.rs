@@ -195,8 +195,8 @@ impl Floor {
             } => {
                 let token = fastrand::u64(..);
                 let reply: Vec<redis::Value> = begin
-                    .key(format!("floor:{{{key}}}:record"))
-                    .key(format!("floor:{{{key}}}:lease"))
+                    .key(record_key(key))
+                    .key(lease_key(key))
                     .arg(token)
                     .arg(LEASE.as_millis() as u64)
                     .invoke_async(&mut connection.clone())
@@ -229,8 +229,8 @@ impl Floor {
             } => {
                 // 0: the lease was lost, the record not stored; the response still goes out.
                 let _: u8 = complete
-                    .key(format!("floor:{{{key}}}:record"))
-                    .key(format!("floor:{{{key}}}:lease"))
+                    .key(record_key(key))
+                    .key(lease_key(key))
                     .arg(token)
                     .arg(stored.encode())
                     .arg(RETENTION.as_millis() as u64)
@@ -255,7 +255,7 @@ impl Floor {
                     (release.clone(), connection.clone(), key.to_owned());
                 tokio::spawn(async move {
                     let _: redis::RedisResult<u8> = release
-                        .key(format!("floor:{{{key}}}:lease"))
+                        .key(lease_key(&key))
                         .arg(token)
                         .invoke_async(&mut connection)
                         .await;
@@ -263,6 +263,15 @@ impl Floor {
             }
         }
     }
+}
+
+/// The keys of one idempotency key's record and lease, under one hash tag.
+fn record_key(key: &str) -> String {
+    format!("floor:{{{key}}}:record")
+}
+
+fn lease_key(key: &str) -> String {
+    format!("floor:{{{key}}}:lease")
 }
 
 fn unreadable() -> redis::RedisError {
