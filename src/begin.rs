@@ -259,8 +259,9 @@ where
     let once = once
         .retention(config.retention)
         .expect("the retention was checked when the layer was built");
-    // The fingerprint is the tag a duplicate compares (copied again only on the rare wait).
-    let tag = || Bytes::copy_from_slice(&fingerprint);
+    // The fingerprint is the tag a duplicate compares (made again only on the rare wait). Owned
+    // by its `Bytes`: the store's copies of it share it, with no allocation each.
+    let tag = || Bytes::from_owner(fingerprint);
     let started = Instant::now();
     // A record this instance completed is replayed from its memory (a store with a replay
     // cache), without a round trip.
@@ -416,6 +417,8 @@ where
                     negotiated.insert(name, value);
                 }
             }
+            // One copy of the name, for the handler's context and for layers further in.
+            let name: Arc<str> = name.into();
             Enclosing::hold(&mut parts.extensions, &name);
             parts
                 .extensions

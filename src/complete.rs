@@ -328,20 +328,23 @@ pub(crate) async fn store_then(
             | LockError::TooLarge { .. }
             | LockError::Redis { .. }),
         ) => match replacement(&run, record, instead) {
-            Some((replacement, replaced)) => match run.guard.complete_whole(&replacement).await {
-                Ok(()) if replaced == Event::Unknown => {
-                    tracing::warn!(fence, %error, "idempotency: the outcome could not be stored; recorded as unknown, retries get outcome-unknown");
-                    Event::Unknown
+            // Boxed: the rare case's state is not every request's.
+            Some((replacement, replaced)) => {
+                match Box::pin(run.guard.complete_whole(&replacement)).await {
+                    Ok(()) if replaced == Event::Unknown => {
+                        tracing::warn!(fence, %error, "idempotency: the outcome could not be stored; recorded as unknown, retries get outcome-unknown");
+                        Event::Unknown
+                    }
+                    Ok(()) => {
+                        tracing::warn!(fence, %error, "idempotency: the response could not be stored; its outcome is stored without its body, retries get response-not-stored");
+                        Event::Executed
+                    }
+                    Err(again) => {
+                        tracing::warn!(fence, %error, %again, "idempotency: could not store the outcome; a retry will run the handler again");
+                        Event::StoreError
+                    }
                 }
-                Ok(()) => {
-                    tracing::warn!(fence, %error, "idempotency: the response could not be stored; its outcome is stored without its body, retries get response-not-stored");
-                    Event::Executed
-                }
-                Err(again) => {
-                    tracing::warn!(fence, %error, %again, "idempotency: could not store the outcome; a retry will run the handler again");
-                    Event::StoreError
-                }
-            },
+            }
             None => {
                 tracing::warn!(fence, %error, "idempotency: could not store the outcome; a retry will run the handler again");
                 Event::StoreError

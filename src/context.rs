@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use distlock::LeaseWatch;
+use smallvec::SmallVec;
 
 use crate::Outcome;
 use crate::outcome::DecisionCell;
@@ -23,13 +24,13 @@ use crate::outcome::DecisionCell;
 /// ```
 #[derive(Debug, Clone)]
 pub struct IdempotencyContext {
-    key: String,
+    key: Arc<str>,
     lease: Option<LeaseWatch>,
     decision: Option<Arc<DecisionCell>>,
 }
 
 impl IdempotencyContext {
-    pub(crate) fn protected(key: String, lease: LeaseWatch, decision: Arc<DecisionCell>) -> Self {
+    pub(crate) fn protected(key: Arc<str>, lease: LeaseWatch, decision: Arc<DecisionCell>) -> Self {
         IdempotencyContext {
             key,
             lease: Some(lease),
@@ -39,7 +40,7 @@ impl IdempotencyContext {
 
     pub(crate) fn unprotected(key: String) -> Self {
         IdempotencyContext {
-            key,
+            key: key.into(),
             lease: None,
             decision: None,
         }
@@ -124,22 +125,22 @@ impl IdempotencyContext {
 /// by the execution it runs inside (409 for every request); a layer with another name (another
 /// key) protects the request as well.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Enclosing(Vec<String>);
+pub(crate) struct Enclosing(SmallVec<[Arc<str>; 1]>);
 
 impl Enclosing {
     /// Whether a layer the request went through holds `name`.
     pub(crate) fn holds(extensions: &http::Extensions, name: &str) -> bool {
         extensions
             .get::<Enclosing>()
-            .is_some_and(|held| held.0.iter().any(|n| n == name))
+            .is_some_and(|held| held.0.iter().any(|n| &**n == name))
     }
 
     /// Records that this request's execution holds `name`.
-    pub(crate) fn hold(extensions: &mut http::Extensions, name: &str) {
+    pub(crate) fn hold(extensions: &mut http::Extensions, name: &Arc<str>) {
         match extensions.get_mut::<Enclosing>() {
-            Some(held) => held.0.push(name.to_owned()),
+            Some(held) => held.0.push(name.clone()),
             None => {
-                extensions.insert(Enclosing(vec![name.to_owned()]));
+                extensions.insert(Enclosing(smallvec::smallvec![name.clone()]));
             }
         }
     }

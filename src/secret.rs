@@ -99,12 +99,12 @@ impl Keys {
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
+    let mut digits = Vec::with_capacity(bytes.len() * 2);
     for b in bytes {
-        out.push(DIGITS[(b >> 4) as usize] as char);
-        out.push(DIGITS[(b & 0xf) as usize] as char);
+        digits.extend_from_slice(&[DIGITS[usize::from(b >> 4)], DIGITS[usize::from(b & 0xf)]]);
     }
-    out
+    // ASCII digits: always UTF-8.
+    String::from_utf8(digits).unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -135,5 +135,6 @@ mod tests {
         let unsealed = a.derive(info, false);
         assert_eq!(unsealed.name, ka.name);
         assert_eq!(unsealed.record_key, None);
+        assert_eq!(hex(&[0x00, 0x7f, 0xab, 0xff]), "007fabff");
     }
 }

@@ -22,12 +22,13 @@ use std::pin::{Pin, pin};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, Bytes};
 use http::{HeaderMap, Response, StatusCode};
 use http_body::{Body, Frame};
+use smallvec::SmallVec;
 use tokio::sync::oneshot;
 
-use crate::body::{Announced, BoxError, Feed, Message, ResponseBody};
+use crate::body::{Announced, BoxError, Feed, Message, ResponseBody, Whole};
 use crate::complete;
 use crate::metrics::Event;
 use crate::record::{self, Kind, Sealer};
@@ -50,7 +51,7 @@ pub(crate) async fn tee<B, E>(
     run: Box<Run>,
     mut parts: http::response::Parts,
     body: B,
-    mut keep: bool,
+    keep: bool,
     reply: oneshot::Sender<Finished<B, E>>,
 ) where
     B: Body,
@@ -62,15 +63,17 @@ pub(crate) async fn tee<B, E>(
     let announced = body.left();
     let mut body = pin!(body);
     if run.config.same_transaction {
-        return after_commit(run, parts, body, keep, reply).await;
+        // Boxed: the rare case's state is not every request's.
+        return Box::pin(after_commit(run, parts, body, keep, reply)).await;
     }
-    let mut early: Vec<Frame<Bytes>> = Vec::new();
+    // Most bodies are one frame: kept inline, not in an allocation.
+    let mut early: SmallVec<[Frame<Bytes>; 1]> = SmallVec::new();
     let mut early_len = 0;
     let failed = loop {
         match poll_now(body.as_mut()).await {
             None => break None,
             Some(None) => {
-                let (data, trailers) = whole(early);
+                let (data, trailers) = Whole::from_iter(early).finish();
                 let kept = keep && data.len() <= run.config.record_limit;
                 let record = complete::whole(
                     &run,
@@ -101,6 +104,47 @@ pub(crate) async fn tee<B, E>(
         }
     };
 
+    // Streamed (the rare case for an API): its own future, boxed, so that every request's
+    // execution does not carry its state.
+    let early = Early {
+        frames: early,
+        len: early_len,
+        announced,
+        failed,
+    };
+    Box::pin(stream(run, parts, body, keep, reply, early)).await;
+}
+
+/// What [`tee`] read of a body before it knew the body would be streamed.
+struct Early {
+    /// The frames read.
+    frames: SmallVec<[Frame<Bytes>; 1]>,
+    /// Their data, in bytes.
+    len: usize,
+    /// The length the head announced, before anything was read.
+    announced: Option<u64>,
+    /// The error that ended the reading, if one did.
+    failed: Option<BoxError>,
+}
+
+/// The rest of [`tee`] for a body not read whole at once: the head goes out now, the frames as
+/// they come.
+async fn stream<B, E, A>(
+    run: Box<Run>,
+    parts: http::response::Parts,
+    mut body: Pin<&mut A>,
+    mut keep: bool,
+    reply: oneshot::Sender<Finished<B, E>>,
+    early: Early,
+) where
+    A: Body<Data = Bytes, Error = BoxError>,
+{
+    let Early {
+        frames: early,
+        len: early_len,
+        announced,
+        failed,
+    } = early;
     // Streamed: the head goes out now, the frames as they come.
     let status = parts.status;
     let headers = parts.headers.clone();
@@ -242,7 +286,7 @@ struct Sink {
 
 enum Mode {
     /// Kept in memory up to the limit, stored whole at the end.
-    Whole(Vec<Bytes>),
+    Whole(Whole),
     /// Appended part by part: the chunk being filled (sealed in place when appended).
     Parts { buffer: Vec<u8>, chunk: usize },
     /// No longer kept: over the limit, or an append failed (the record would miss a part).
@@ -263,7 +307,7 @@ impl Sink {
             // Not kept: nothing of it is, even a body without data (whose outcome would
             // otherwise be stored as a response with an empty body).
             mode: if keep {
-                Mode::Whole(Vec::new())
+                Mode::Whole(Whole::default())
             } else {
                 Mode::Dropped
             },
@@ -329,7 +373,7 @@ impl Sink {
             return;
         }
         match &mut self.mode {
-            Mode::Whole(chunks) => chunks.push(data),
+            Mode::Whole(whole) => whole.push(Frame::data(data)),
             Mode::Parts { .. } => {
                 while !data.is_empty() {
                     let Mode::Parts { buffer, chunk } = &mut self.mode else {
@@ -377,8 +421,8 @@ impl Sink {
         self.flush(&run, 0).await;
         let trailers = self.trailers.take();
         match self.mode {
-            Mode::Whole(chunks) => {
-                let body = concat(chunks);
+            Mode::Whole(whole) => {
+                let (body, _) = whole.finish();
                 complete::response(run, status, headers, Some(&body), trailers.as_ref()).await;
             }
             Mode::Parts { .. } => {
@@ -417,7 +461,7 @@ async fn after_commit<A, B, E>(
             retry_after: config.retry_after,
         })
     };
-    let mut frames = Vec::new();
+    let mut frames = Whole::default();
     loop {
         match poll_fn(|cx| poll_frame(body.as_mut(), cx)).await {
             None => break,
@@ -430,7 +474,7 @@ async fn after_commit<A, B, E>(
             }
         }
     }
-    let (data, trailers) = whole(frames);
+    let (data, trailers) = frames.finish();
     let kept = keep && data.len() <= run.config.record_limit;
     let record = complete::whole(
         &run,
@@ -473,33 +517,6 @@ where
 {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body.poll_frame(cx)))
         .unwrap_or_else(|_| Poll::Ready(Some(Err("the response body panicked".into()))))
-}
-
-/// Data and trailers of frames read whole.
-fn whole(frames: Vec<Frame<Bytes>>) -> (Bytes, Option<HeaderMap>) {
-    let mut data = Vec::with_capacity(frames.len());
-    let mut trailers = None;
-    for frame in frames {
-        match frame.into_data() {
-            Ok(d) => data.push(d),
-            Err(frame) => trailers = frame.into_trailers().ok(),
-        }
-    }
-    (concat(data), trailers)
-}
-
-fn concat(mut chunks: Vec<Bytes>) -> Bytes {
-    match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.pop().unwrap_or_default(),
-        _ => {
-            let mut out = BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
-            for c in chunks {
-                out.extend_from_slice(&c);
-            }
-            out.freeze()
-        }
-    }
 }
 
 #[cfg(test)]

@@ -5,12 +5,14 @@
 mod announced;
 mod request;
 mod response;
+mod whole;
 
 pub(crate) use announced::{Announced, announce_exact};
 pub use request::RequestBody;
 pub(crate) use request::{Read, read_request};
 pub use response::ResponseBody;
 pub(crate) use response::{Feed, Message};
+pub(crate) use whole::Whole;
 
 /// The error type of the layer's bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -7,10 +7,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::Limited;
 use pin_project_lite::pin_project;
 
-use super::BoxError;
+use super::{BoxError, Whole};
 use crate::Rejection;
 
 pin_project! {
@@ -135,7 +135,7 @@ where
     B: Body,
     B::Error: Into<BoxError>,
 {
-    let mut collect = std::pin::pin!(Limited::new(body, limit).collect());
+    let mut collect = std::pin::pin!(gather(Limited::new(body, limit)));
     let read = match futures_util::FutureExt::now_or_never(&mut collect) {
         Some(read) => read,
         None => match tokio::time::timeout(timeout, collect).await {
@@ -144,12 +144,9 @@ where
         },
     };
     match read {
-        Ok(collected) => {
-            let trailers = collected.trailers().cloned();
-            Ok(Read {
-                data: collected.to_bytes(),
-                trailers,
-            })
+        Ok(whole) => {
+            let (data, trailers) = whole.finish();
+            Ok(Read { data, trailers })
         }
         Err(error) if error.is::<http_body_util::LengthLimitError>() => {
             Err(Rejection::BodyTooLarge { limit })
@@ -160,9 +157,24 @@ where
     }
 }
 
+/// Every frame of `body`.
+async fn gather<B>(body: B) -> Result<Whole, BoxError>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let mut body = std::pin::pin!(body);
+    let mut whole = Whole::default();
+    while let Some(frame) = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
+        whole.push(super::bytes_frame(frame.map_err(Into::into)?));
+    }
+    Ok(whole)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http_body_util::BodyExt;
     use http_body_util::{Full, StreamBody};
 
     type Chunks =

@@ -1438,13 +1438,13 @@ impl OnceGuard {
     }
 
     async fn complete_as(&mut self, record: &[u8], appended: u64) -> Result<(), LockError> {
-        let name = self.guard.name().to_owned();
-        check_part(&name, record)?;
+        // The name is copied only into an error.
+        check_part(self.guard.name(), record)?;
         let (backend, op) = (self.guard.backend(), self.guard.op());
         let max = backend.max_record_len(self.guard.config());
         if record.len() > max {
             return Err(LockError::TooLarge {
-                name,
+                name: self.guard.name().to_owned(),
                 len: record.len(),
                 max,
             });
@@ -1461,7 +1461,7 @@ impl OnceGuard {
         self.guard.lease().shared().set_lost(LossReason::NotOwner);
         self.guard.disarm();
         Err(LockError::LeaseLost {
-            name,
+            name: self.guard.name().to_owned(),
             reason: LossReason::NotOwner,
         })
     }
