@@ -99,9 +99,10 @@ impl Keys {
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut digits = Vec::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        digits.extend_from_slice(&[DIGITS[usize::from(b >> 4)], DIGITS[usize::from(b & 0xf)]]);
+    let mut digits = vec![0; bytes.len() * 2];
+    for (pair, b) in digits.chunks_exact_mut(2).zip(bytes) {
+        pair[0] = DIGITS[usize::from(b >> 4)];
+        pair[1] = DIGITS[usize::from(b & 0xf)];
     }
     // ASCII digits: always UTF-8.
     String::from_utf8(digits).unwrap_or_default()
