@@ -16,14 +16,22 @@ pub(crate) struct Whole {
 }
 
 impl Whole {
-    /// Takes in one frame (data, or the trailers).
+    /// Takes in one frame (data, or trailers).
     pub(crate) fn push(&mut self, frame: Frame<Bytes>) {
         match frame.into_data() {
             Ok(data) => {
                 self.len += data.len();
                 self.chunks.push(data);
             }
-            Err(frame) => self.trailers = frame.into_trailers().ok(),
+            Err(frame) => {
+                if let Ok(more) = frame.into_trailers() {
+                    // A second trailer section (no protocol sends one) adds to the first.
+                    match &mut self.trailers {
+                        Some(trailers) => trailers.extend(more),
+                        None => self.trailers = Some(more),
+                    }
+                }
+            }
         }
     }
 
@@ -76,7 +84,16 @@ mod tests {
         ]);
         let (data, trailers) = whole.finish();
         assert_eq!(&data[..], b"abcd");
-        assert_eq!(trailers, Some(end));
+        assert_eq!(trailers.as_ref(), Some(&end));
+
+        let mut more = HeaderMap::new();
+        more.insert("grpc-message", "ok".parse().unwrap());
+        let (_, trailers) =
+            Whole::from_iter([Frame::trailers(end.clone()), Frame::trailers(more.clone())])
+                .finish();
+        let trailers = trailers.unwrap();
+        assert_eq!(trailers.get("grpc-status"), end.get("grpc-status"));
+        assert_eq!(trailers.get("grpc-message"), more.get("grpc-message"));
 
         let (data, trailers) = Whole::default().finish();
         assert!(data.is_empty() && trailers.is_none());
