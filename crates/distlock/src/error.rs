@@ -221,7 +221,10 @@ impl LockError {
                 ) || at_max_clients(&source)
             }
             ErrorKind::Extension => matches!(source.code(), Some("BUSY") | Some("NOREPLICAS")),
-            ErrorKind::Parse | ErrorKind::UnexpectedReturnType => false,
+            // A reply cut off by the end of its connection reads as a parse error: the
+            // connection dropped mid-reply, and the command may have run.
+            ErrorKind::Parse => cut_off(&source),
+            ErrorKind::UnexpectedReturnType => false,
             _ => true,
         };
         if transient {
@@ -350,9 +353,34 @@ fn at_max_clients(source: &redis::RedisError) -> bool {
         .is_some_and(|d| d.starts_with("max number of clients reached"))
 }
 
+/// Whether a parse error is a reply the connection's end cut short (the parser met the end of
+/// its input), not a reply that does not parse.
+fn cut_off(error: &redis::RedisError) -> bool {
+    error.to_string().contains("end of input")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reply_cut_short_is_unavailable_and_a_malformed_one_is_not() {
+        // What the async connection's decoder reports when its connection ends after the
+        // start of an array of four (`tests/layer_redis.rs` meets it through a real socket).
+        let parse =
+            |text: &str| redis::RedisError::from(redis::ParsingError::from(text.to_owned()));
+        let cut = parse("Parse error at 0\nUnexpected end of input\nexpected 3 more elements");
+        assert_eq!(cut.kind(), redis::ErrorKind::Parse, "{cut}");
+        match LockError::from_redis("k", true, cut) {
+            LockError::Unavailable { ambiguous, .. } => assert!(ambiguous, "it may have run"),
+            other => panic!("expected Unavailable, got {other:?}"),
+        }
+        let malformed = parse("Parse error at 0\nUnexpected `?`");
+        assert!(matches!(
+            LockError::from_redis("k", true, malformed),
+            LockError::Redis { .. }
+        ));
+    }
 
     #[test]
     fn a_redis_at_maxclients_is_unavailable_and_nothing_ran() {
