@@ -21,7 +21,7 @@
 //! `REDIS_SERVER_BIN` or `redis-server`), for the figures against no layer.
 //!
 //! Reported per variant: throughput, p50 and p99 latency, and the server process's CPU time
-//! per request (from /proc, user + system). "execute" requests carry a new key each; "replay"
+//! per request (from /proc: every thread's time on a CPU, to the nanosecond). "execute" requests carry a new key each; "replay"
 //! requests repeat keys whose responses are stored. The memory store runs twice: with room for
 //! every key of the run (`memory`: what the layer costs before any eviction), and with the
 //! default bounds a service gets (`memory-default`: 100,000 entries, filled before the rounds,
@@ -38,6 +38,9 @@
 //! generator that takes the same CPU, and its CPU per request is not a share of two saturated
 //! cores. Beside them run `floor` and `floor-valkey` (benches/http/floor.rs), the least a layer
 //! with our guarantees does on each store; their added CPU is what any such layer must add.
+//! Side by side ([`SIDE_BY_SIDE`]), no layer, ours, `idempotent` and the floor are loaded at
+//! the same time, each at a quarter of that rate: their ratios are taken at the same moments
+//! of a machine whose speed moves from one window to the next.
 //!
 //! A server variant can also be run alone for other tools (it prints its port; stdin closing
 //! stops it), e.g. with `wrk` and `benches/wrk/new_keys.lua`:
@@ -58,7 +61,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use bytes::Bytes;
-use common::ops::process_cpu;
+use common::ops::process_run_time;
 use common::{Mode, Series, connect, percentile_us, row};
 use http_body_util::{BodyExt, Full};
 use testkit::RedisServer;
@@ -252,9 +255,9 @@ impl Server {
         }
     }
 
-    /// User + system CPU time of the server process so far.
+    /// Time the server process has run on a CPU so far (to the nanosecond).
     fn cpu(&self) -> Duration {
-        process_cpu(&self.child.id().to_string())
+        process_run_time(self.child.id())
     }
 
     /// CPU time of its store so far: the process and its children (PostgreSQL's backends).
@@ -767,6 +770,15 @@ const PACED: [&str; 9] = [
 /// The fixed rate, requests per second: below what every server in [`PACED`] serves.
 const PACED_RATE: f64 = 4_000.0;
 
+/// Servers loaded at the same time, each at `PACED_RATE / 4` on `CONCURRENCY / 4`
+/// connections: whatever else the machine does in the window (the load generator, the store,
+/// a neighbour on the host) it does to all of them, so their ratios are taken at the same
+/// moments, not in windows a few seconds apart.
+const SIDE_BY_SIDE: [[&str; 4]; 2] = [
+    ["none", "memory", "idempotent", "floor"],
+    ["none", "valkey", "idempotent-valkey", "floor-valkey"],
+];
+
 fn label(name: &str) -> &'static str {
     SERVERS.iter().find(|(n, _)| *n == name).unwrap().1
 }
@@ -795,6 +807,8 @@ struct Run {
     single: std::collections::HashMap<&'static str, Figures>,
     /// Per server, execute at `CONCURRENCY` connections and `PACED_RATE` requests per second.
     paced: std::collections::HashMap<&'static str, Figures>,
+    /// Per group of [`SIDE_BY_SIDE`], per server: its share of the paced load, all at once.
+    side: [std::collections::HashMap<&'static str, Figures>; 2],
     raw_rtt: Series,
     rtt: Series,
     rtt_mt: Series,
@@ -926,6 +940,20 @@ async fn drive(mode: Mode, peer: &std::path::Path) {
             let tag = format!("r{round}{name}paced");
             let l = measure(name, Path::Execute, &tag, CONCURRENCY, Some(PACED_RATE)).await;
             run.paced.entry(name).or_default().push(&l);
+        }
+        for (group, names) in SIDE_BY_SIDE.iter().enumerate() {
+            let n = names.len();
+            let at_once = names.iter().map(|name| {
+                let tag = format!("r{round}{name}side{group}");
+                async move {
+                    let rate = Some(PACED_RATE / n as f64);
+                    measure(name, Path::Execute, &tag, CONCURRENCY / n, rate).await
+                }
+            });
+            let loads = futures_util::future::join_all(at_once).await;
+            for (name, l) in names.iter().zip(&loads) {
+                run.side[group].entry(name).or_default().push(l);
+            }
         }
         for (name, path) in loads() {
             let tag = format!("r{round}{name}");
@@ -1150,6 +1178,59 @@ fn report(
             &floor.ratio(&axum).fmt_ratio(),
             &floor.ratio(&idem).fmt_ratio(),
         ]);
+    }
+
+    let share = PACED_RATE / SIDE_BY_SIDE[0].len() as f64;
+    println!(
+        "\n## Side by side: {} servers loaded at once, {share} requests/s each on {} \
+         connections (server CPU added to no layer's, in the same window; medians, ratios min / \
+         median / max)\n",
+        SIDE_BY_SIDE[0].len(),
+        CONCURRENCY / SIDE_BY_SIDE[0].len(),
+    );
+    row(&[
+        "figure",
+        "ours",
+        "idempotent",
+        "floor",
+        "ours / idempotent",
+        "ours / floor",
+        "floor / idempotent",
+    ]);
+    row(&["---", "---", "---", "---", "---", "---", "---"]);
+    let mut behind = Vec::new();
+    for (group, figure) in [
+        "server CPU added, memory stores",
+        "server CPU added, Valkey",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let side = &run.side[group];
+        let [none, ours, idem, floor] = SIDE_BY_SIDE[group].map(|name| &side[name].cpu);
+        let [ours, idem, floor] = [ours, idem, floor].map(|cpu| cpu.minus(none));
+        row(&[
+            figure,
+            &format!("{:.1} µs", ours.median()),
+            &format!("{:.1} µs", idem.median()),
+            &format!("{:.1} µs", floor.median()),
+            &ours.ratio(&idem).fmt_ratio(),
+            &ours.ratio(&floor).fmt_ratio(),
+            &floor.ratio(&idem).fmt_ratio(),
+        ]);
+        for name in SIDE_BY_SIDE[group] {
+            let rate = side[name].throughput.min();
+            if rate < 0.95 * share {
+                behind.push(format!(
+                    "\n**{} served {rate:.0} requests/s at the slowest side by side, below the \
+                     pace of {share}.**",
+                    label(name)
+                ));
+            }
+        }
+    }
+    for warning in behind {
+        println!("{warning}");
     }
 
     println!("\n## Every server ({CONCURRENCY} connections, medians)\n");

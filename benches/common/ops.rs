@@ -277,6 +277,21 @@ pub async fn alternative_pair(
     assert_eq!(released, 1);
 }
 
+/// Time process `pid` has run on a CPU so far, to the nanosecond: the sum over its threads
+/// alive now of `/proc/<pid>/task/<tid>/schedstat` (a thread that ended counts nothing: for
+/// servers whose threads live as long as they do).
+pub fn process_run_time(pid: u32) -> Duration {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten();
+    let ns = tasks
+        .filter_map(|task| std::fs::read_to_string(task.path().join("schedstat")).ok())
+        .filter_map(|stat| stat.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    Duration::from_nanos(ns)
+}
+
 /// User + system CPU time of process `pid` (`"self"` for this one) so far, from /proc (in
 /// clock ticks of 10 ms: a window must be long against that).
 pub fn process_cpu(pid: &str) -> Duration {
