@@ -21,8 +21,8 @@
 //! `REDIS_SERVER_BIN` or `redis-server`), for the figures against no layer.
 //!
 //! Reported per variant: throughput, p50 and p99 latency, and the server process's CPU time
-//! per request (from /proc: every thread's time on a CPU, to the nanosecond). "execute" requests carry a new key each; "replay"
-//! requests repeat keys whose responses are stored. The memory store runs twice: with room for
+//! per request (from /proc: every thread's time on a CPU, to the nanosecond). "execute"
+//! requests carry a new key each; "replay" requests repeat keys whose responses are stored. The memory store runs twice: with room for
 //! every key of the run (`memory`: what the layer costs before any eviction), and with the
 //! default bounds a service gets (`memory-default`: 100,000 entries, filled before the rounds,
 //! so every new key evicts the oldest record). Before the rounds, the latency while that
@@ -779,6 +779,19 @@ const SIDE_BY_SIDE: [[&str; 4]; 2] = [
     ["none", "valkey", "idempotent-valkey", "floor-valkey"],
 ];
 
+/// A warning when `name` fell behind the pace of `rate` requests/s in some round (`context`:
+/// which load): its figures there are not at the fixed rate.
+fn behind_pace(name: &str, figures: &Figures, rate: f64, context: &str) -> Option<String> {
+    let slowest = figures.throughput.min();
+    (slowest < 0.95 * rate).then(|| {
+        format!(
+            "\n**{} served {slowest:.0} requests/s at the slowest{context}, below the pace of \
+             {rate}: its figures there are not at the fixed rate.**",
+            label(name)
+        )
+    })
+}
+
 fn label(name: &str) -> &'static str {
     SERVERS.iter().find(|(n, _)| *n == name).unwrap().1
 }
@@ -1114,13 +1127,8 @@ fn report(
 
     // Paced figures are only comparable if every server kept the pace.
     for name in PACED {
-        let rate = run.paced[name].throughput.min();
-        if rate < 0.95 * PACED_RATE {
-            println!(
-                "\n**{} served {rate:.0} requests/s at the slowest, below the pace of {PACED_RATE}: \
-                 its paced figures are not at the fixed rate.**",
-                label(name)
-            );
+        if let Some(warning) = behind_pace(name, &run.paced[name], PACED_RATE, "") {
+            println!("{warning}");
         }
     }
 
@@ -1218,16 +1226,11 @@ fn report(
             &ours.ratio(&floor).fmt_ratio(),
             &floor.ratio(&idem).fmt_ratio(),
         ]);
-        for name in SIDE_BY_SIDE[group] {
-            let rate = side[name].throughput.min();
-            if rate < 0.95 * share {
-                behind.push(format!(
-                    "\n**{} served {rate:.0} requests/s at the slowest side by side, below the \
-                     pace of {share}.**",
-                    label(name)
-                ));
-            }
-        }
+        behind.extend(
+            SIDE_BY_SIDE[group]
+                .iter()
+                .filter_map(|name| behind_pace(name, &side[name], share, " side by side")),
+        );
     }
     for warning in behind {
         println!("{warning}");
