@@ -65,11 +65,10 @@ where
     };
     let span = run.span.clone();
     let live = Live::new(&run.config);
-    let execution = execute(future, run, reply, live);
     let driver: Driver = if span.is_disabled() {
-        Box::pin(execution)
+        crate::future::boxed(|| execute(future, run, reply, live))
     } else {
-        Box::pin(execution.instrument(span))
+        crate::future::boxed(|| execute(future, run, reply, live).instrument(span))
     };
     Some(Started {
         result,

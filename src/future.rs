@@ -40,6 +40,18 @@ use crate::run::{Finished, Run};
 
 pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
+/// The future `make` makes, on the heap: the room is allocated first and the future written
+/// into it, where `Box::pin(make())` may build it on the stack and copy its whole size (that of
+/// its largest state, kilobytes for the begin step) to the heap.
+pub(crate) fn boxed<F>(make: impl FnOnce() -> F) -> BoxFuture<F::Output>
+where
+    F: Future + Send + 'static,
+{
+    let slot: Box<std::mem::MaybeUninit<F>> = Box::new_uninit();
+    let future: Box<F> = Box::write(slot, make());
+    Box::into_pin(future)
+}
+
 pin_project! {
     /// Response future of [`Idempotency`](crate::Idempotency).
     pub struct ResponseFuture<S, ReqBody, ResBody>

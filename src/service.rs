@@ -136,12 +136,14 @@ where
             key = tracing::field::Empty,
             store_us = tracing::field::Empty,
         );
-        let begin = crate::begin::begin(self.config.clone(), request, span.clone());
+        let config = self.config.clone();
         // No subscriber is interested (the usual case in production): no span to enter.
         let begin: crate::future::BoxFuture<_> = if span.is_disabled() {
-            Box::pin(begin)
+            crate::future::boxed(|| crate::begin::begin(config, request, span))
         } else {
-            Box::pin(begin.instrument(span))
+            crate::future::boxed(|| {
+                crate::begin::begin(config, request, span.clone()).instrument(span)
+            })
         };
         ResponseFuture::beginning(begin, inner)
     }
