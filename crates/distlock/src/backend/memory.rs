@@ -279,6 +279,14 @@ impl Index {
         self.fence
     }
 
+    /// The earliest expiry any index holds.
+    fn earliest(&self) -> Option<Instant> {
+        [&self.locks, &self.idle, &self.busy]
+            .into_iter()
+            .filter_map(|index| index.first_key_value().map(|(at, _)| at.0))
+            .min()
+    }
+
     /// Whether `slots` more locks or states and `bytes` more bytes fit without evicting.
     fn fits(&self, limits: &MemoryLimits, slots: usize, bytes: usize) -> bool {
         self.slots + slots <= limits.max_entries && self.bytes + bytes <= limits.max_bytes
@@ -386,16 +394,7 @@ impl Store {
             let (lock, idle, busy) = (first(&ix.locks), first(&ix.idle), first(&ix.busy));
             let Some(at) = [lock, idle, busy].into_iter().flatten().min() else {
                 // Nothing expired by `now`: the earliest expiry left is the next sweep's due.
-                let ix = &mut self.ix;
-                let first =
-                    |index: &BTreeMap<At, usize>| index.first_key_value().map(|(at, _)| at.0);
-                ix.due = Some(
-                    [first(&ix.locks), first(&ix.idle), first(&ix.busy)]
-                        .into_iter()
-                        .flatten()
-                        .min()
-                        .unwrap_or_else(far),
-                );
+                self.ix.due = Some(self.ix.earliest().unwrap_or_else(far));
                 break;
             };
             let (index, is_lock) = if Some(at) == lock {
@@ -990,11 +989,7 @@ impl MemoryBackend {
             }
         }
         problems.extend(s.entries.audit());
-        let earliest = [&s.ix.locks, &s.ix.idle, &s.ix.busy]
-            .into_iter()
-            .filter_map(|index| index.first_key_value().map(|(at, _)| at.0))
-            .min();
-        if let (Some(due), Some(earliest)) = (s.ix.due, earliest)
+        if let (Some(due), Some(earliest)) = (s.ix.due, s.ix.earliest())
             && earliest < due
         {
             problems.push(format!(
@@ -1783,13 +1778,7 @@ mod tests {
                     "seed {seed}, step {step}: {problems:?}"
                 );
                 // The sweep did its work, whatever it skipped on the way.
-                let earliest = {
-                    let s = b.store();
-                    [&s.ix.locks, &s.ix.idle, &s.ix.busy]
-                        .into_iter()
-                        .filter_map(|index| index.first_key_value().map(|(at, _)| at.0))
-                        .min()
-                };
+                let earliest = b.store().ix.earliest();
                 assert!(
                     earliest.is_none_or(|at| at > crate::clock::now()),
                     "seed {seed}, step {step}: something expired outlived a sweep"
