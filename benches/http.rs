@@ -22,10 +22,10 @@
 //!
 //! Reported per variant: throughput, p50 and p99 latency, and the server process's CPU time
 //! per request (from /proc: every thread's time on a CPU, to the nanosecond). "execute"
-//! requests carry a new key each; "replay" requests repeat keys whose responses are stored. The memory store runs twice: with room for
-//! every key of the run (`memory`: what the layer costs before any eviction), and with the
-//! default bounds a service gets (`memory-default`: 100,000 entries, filled before the rounds,
-//! so every new key evicts the oldest record). Before the rounds, the latency while that
+//! requests carry a new key each; "replay" requests repeat keys whose responses are stored.
+//! The memory store runs twice: with room for every key of the run (`memory`: what the layer
+//! costs before any eviction), and with the default bounds a service gets (`memory-default`:
+//! 100,000 entries, filled before the rounds, so every new key evicts the oldest record). Before the rounds, the latency while that
 //! default store fills (150,000 new keys on a fresh server) is taken against the same requests
 //! without the layer. At one connection, a server without the
 //! layer whose handler does 15 µs more work (`none-slow`) is measured too: on a machine whose
