@@ -9,7 +9,9 @@
 //!
 //! Registering a lease costs a map insertion under a mutex, with no task spawned and no timer
 //! armed: the task sleeps until the earliest event, and is woken only when a new lease needs
-//! attention before that.
+//! attention before that. With nothing due, it sleeps for half the shortest delay from an
+//! acquisition to its first event seen so far (at most a second): a new lease's first event then
+//! comes after the task's wake-up, and an idle client wakes it about once a second.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,9 +25,10 @@ use crate::backend::{Backend, Op};
 use crate::lease::LeaseShared;
 use crate::{Backoff, LockConfig, LossReason};
 
-/// How long the task sleeps when it has nothing due earlier: new leases whose first event is
-/// later than its wake-up do not need to wake it.
-const IDLE_TICK: Duration = Duration::from_millis(50);
+/// The longest the task sleeps when it has nothing due earlier (a backstop).
+const IDLE_MAX: Duration = Duration::from_secs(1);
+/// The shortest: what it sleeps with leases whose first event comes within twice this.
+const IDLE_MIN: Duration = Duration::from_millis(50);
 
 /// One client's watchdog. Cheap to clone.
 #[derive(Debug, Clone, Default)]
@@ -42,6 +45,14 @@ struct Inner {
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// When the task will next look at the queue, in nanoseconds after `base` (0: not asleep).
     asleep_until: AtomicU64,
+    /// How long the task sleeps when nothing is due earlier, in nanoseconds (0: [`IDLE_MAX`]):
+    /// half the shortest delay from an acquisition to its lease's first event seen so far,
+    /// within [`IDLE_MIN`, `IDLE_MAX`]. A new lease's first event then comes after the task's
+    /// wake-up and does not wake it, and an idle client's task wakes about once a second
+    /// (with the default lease) instead of 20 times.
+    idle: AtomicU64,
+    /// How many times the task looked at the queue.
+    rounds: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -124,6 +135,11 @@ impl Watchdog {
             at
         };
         drop(queue);
+        let idle = (at.saturating_duration_since(acquired) / 2).clamp(IDLE_MIN, IDLE_MAX);
+        let idle = u64::try_from(idle.as_nanos()).unwrap_or(u64::MAX);
+        if idle < idle_nanos(&self.inner) {
+            self.inner.idle.fetch_min(idle, Ordering::Relaxed);
+        }
         self.ensure_running();
         wake_if_before(&self.inner, at);
         hold
@@ -139,6 +155,12 @@ impl Watchdog {
         }
     }
 
+    /// How many times the task looked at the queue.
+    #[cfg(test)]
+    pub(crate) fn rounds(&self) -> u64 {
+        self.inner.rounds.load(Ordering::Relaxed)
+    }
+
     fn ensure_running(&self) {
         let mut task = self.inner.task.lock().unwrap_or_else(|e| e.into_inner());
         if task
@@ -147,6 +169,14 @@ impl Watchdog {
         {
             *task = Some(tokio::spawn(run(Arc::downgrade(&self.inner))));
         }
+    }
+}
+
+/// How long the task sleeps when nothing is due earlier (see [`Inner::idle`]), in nanoseconds.
+fn idle_nanos(inner: &Inner) -> u64 {
+    match inner.idle.load(Ordering::Relaxed) {
+        0 => u64::try_from(IDLE_MAX.as_nanos()).unwrap_or(u64::MAX),
+        idle => idle,
     }
 }
 
@@ -186,6 +216,7 @@ async fn run(inner: Weak<Inner>) {
         let Some(strong) = inner.upgrade() else {
             return;
         };
+        strong.rounds.fetch_add(1, Ordering::Relaxed);
         let now = crate::clock::now();
         let mut due = Vec::new();
         let next = {
@@ -201,7 +232,8 @@ async fn run(inner: Weak<Inner>) {
         for hold in due {
             attend(&strong, &hold, now);
         }
-        let wake_at = next.unwrap_or(now + IDLE_TICK).min(now + IDLE_TICK);
+        let idle = now + Duration::from_nanos(idle_nanos(&strong));
+        let wake_at = next.map_or(idle, |next| next.min(idle));
         let wake = strong.wake.clone();
         let notified = wake.notified();
         tokio::pin!(notified);
@@ -362,5 +394,52 @@ pub(crate) async fn release(backend: Arc<dyn Backend>, op: Op, config: Arc<LockC
                 "release on drop timed out; the lease will expire"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::{LockClient, LockConfig};
+
+    /// A held lock with the default lease (renewed every 3.3 s) keeps the task asleep between
+    /// its renewals, apart from a wake-up a second at most: it used to look at the queue every
+    /// 50 ms (200 times in these 10 s), each a wake-up of an idle worker. And every renewal
+    /// still happens: the lease outlives 10 s, three times its length.
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_task_wakes_for_renewals_not_on_a_tick() {
+        let client = LockClient::memory();
+        let guard = client.lock("idle").unwrap().try_acquire().await.unwrap();
+        let start = client.watchdog().rounds();
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        let rounds = client.watchdog().rounds() - start;
+        assert!(
+            guard.is_held(),
+            "the lease was renewed through 30 s (3 leases)"
+        );
+        assert!(
+            (9..=45).contains(&rounds),
+            "the task looked at the queue {rounds} times in 30 s: at most once a second plus \
+             the renewals' events, not every 50 ms (600)"
+        );
+        assert_eq!(
+            LockConfig::default().renew_every(),
+            Duration::from_secs(10) / 3
+        );
+    }
+
+    /// A lease renewed more often than the task's idle sleep still gets every renewal on time:
+    /// its registration lowers the sleep, and a new lease due before the wake-up wakes it.
+    #[tokio::test(start_paused = true)]
+    async fn short_leases_are_renewed_on_time() {
+        let config = LockConfig::builder()
+            .lease(Duration::from_millis(300))
+            .build()
+            .unwrap();
+        let client = LockClient::memory().with_config(config).unwrap();
+        let guard = client.lock("short").unwrap().try_acquire().await.unwrap();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(guard.is_held(), "a 300 ms lease renewed through 3 s");
     }
 }
