@@ -1007,8 +1007,12 @@ async fn replay_through_a_connection_drop(how: Cut) {
         got.extend_from_slice(&rest.to_bytes());
         assert_eq!(got.len(), body.len(), "attempt {attempt}");
         assert!(got == body[..], "attempt {attempt}: other bytes");
-        if let Cut::ReplyLost = how {
-            assert!(proxy.dropped() > attempt, "a reply was dropped");
+        match how {
+            Cut::ReplyLost => assert!(proxy.dropped() > attempt, "a reply was dropped"),
+            Cut::MidReply => assert!(
+                proxy.cut_after_replies() > attempt,
+                "a connection was cut after a piece of a reply"
+            ),
         }
     }
     assert_eq!(probe.runs(), 1);

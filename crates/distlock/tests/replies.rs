@@ -598,6 +598,11 @@ async fn the_replica_check_waits_on_the_connection_that_wrote() {
     let outcome = lock.try_acquire().await;
     let _: () = redis::cmd("PING").query_async(&mut m).await.unwrap();
     replica.resume().await;
+    assert_eq!(
+        proxy.cut_after_replies(),
+        1,
+        "the connection was cut after the script's reply"
+    );
     assert!(
         outcome.is_err(),
         "the replica never acknowledged the lock, yet the acquisition succeeded"

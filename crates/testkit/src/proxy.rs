@@ -40,6 +40,8 @@ struct Shared {
     accepted: AtomicUsize,
     /// Replies dropped so far.
     dropped: AtomicUsize,
+    /// Connections cut right after a reply chunk so far.
+    cut_after_reply: AtomicUsize,
     /// Connections accepted before this count are hung for good.
     hung_below: AtomicUsize,
     /// Fired to cut every open connection.
@@ -182,6 +184,13 @@ impl FaultProxy {
         self.shared.dropped.load(Ordering::SeqCst)
     }
 
+    /// Connections cut right after a reply chunk so far ([`cut_after_next_replies`]).
+    ///
+    /// [`cut_after_next_replies`]: Self::cut_after_next_replies
+    pub fn cut_after_replies(&self) -> usize {
+        self.shared.cut_after_reply.load(Ordering::SeqCst)
+    }
+
     fn faults(&self) -> std::sync::MutexGuard<'_, Faults> {
         self.shared.faults.lock().unwrap()
     }
@@ -272,6 +281,7 @@ async fn pump(client: TcpStream, server: TcpStream, shared: Arc<Shared>, id: usi
                     let cut = faults.cut_after > 0;
                     if cut {
                         faults.cut_after -= 1;
+                        shared.cut_after_reply.fetch_add(1, Ordering::SeqCst);
                         cutting.store(true, Ordering::SeqCst);
                     }
                     holding = match &faults.hold {
