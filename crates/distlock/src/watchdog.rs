@@ -52,6 +52,7 @@ struct Inner {
     /// (with the default lease) instead of 20 times.
     idle: AtomicU64,
     /// How many times the task looked at the queue.
+    #[cfg(test)]
     rounds: AtomicU64,
 }
 
@@ -137,9 +138,10 @@ impl Watchdog {
         drop(queue);
         let idle = (at.saturating_duration_since(acquired) / 2).clamp(IDLE_MIN, IDLE_MAX);
         let idle = u64::try_from(idle.as_nanos()).unwrap_or(u64::MAX);
-        if idle < idle_nanos(&self.inner) {
-            self.inner.idle.fetch_min(idle, Ordering::Relaxed);
-        }
+        // Lowered, never raised (0 stands for the longest sleep: `fetch_min` would keep it).
+        let _ = (self.inner.idle).fetch_update(Ordering::Relaxed, Ordering::Relaxed, |now| {
+            (now == 0 || idle < now).then_some(idle)
+        });
         self.ensure_running();
         wake_if_before(&self.inner, at);
         hold
@@ -159,6 +161,12 @@ impl Watchdog {
     #[cfg(test)]
     pub(crate) fn rounds(&self) -> u64 {
         self.inner.rounds.load(Ordering::Relaxed)
+    }
+
+    /// How long the task sleeps when nothing is due earlier.
+    #[cfg(test)]
+    pub(crate) fn idle(&self) -> Duration {
+        Duration::from_nanos(idle_nanos(&self.inner))
     }
 
     fn ensure_running(&self) {
@@ -216,6 +224,7 @@ async fn run(inner: Weak<Inner>) {
         let Some(strong) = inner.upgrade() else {
             return;
         };
+        #[cfg(test)]
         strong.rounds.fetch_add(1, Ordering::Relaxed);
         let now = crate::clock::now();
         let mut due = Vec::new();
@@ -405,8 +414,8 @@ mod tests {
 
     /// A held lock with the default lease (renewed every 3.3 s) keeps the task asleep between
     /// its renewals, apart from a wake-up a second at most: it used to look at the queue every
-    /// 50 ms (200 times in these 10 s), each a wake-up of an idle worker. And every renewal
-    /// still happens: the lease outlives 10 s, three times its length.
+    /// 50 ms (600 times in these 30 s), each a wake-up of an idle worker. And every renewal
+    /// still happens: the lease outlives 30 s, three times its length.
     #[tokio::test(start_paused = true)]
     async fn an_idle_task_wakes_for_renewals_not_on_a_tick() {
         let client = LockClient::memory();
@@ -430,7 +439,9 @@ mod tests {
     }
 
     /// A lease renewed more often than the task's idle sleep still gets every renewal on time:
-    /// its registration lowers the sleep, and a new lease due before the wake-up wakes it.
+    /// its registration lowers the sleep (to half its first renewal's delay, at least 50 ms, so
+    /// that the next such lease does not wake the task), and a new lease due before the
+    /// wake-up wakes it.
     #[tokio::test(start_paused = true)]
     async fn short_leases_are_renewed_on_time() {
         let config = LockConfig::builder()
@@ -438,7 +449,13 @@ mod tests {
             .build()
             .unwrap();
         let client = LockClient::memory().with_config(config).unwrap();
+        assert_eq!(client.watchdog().idle(), Duration::from_secs(1));
         let guard = client.lock("short").unwrap().try_acquire().await.unwrap();
+        assert_eq!(
+            client.watchdog().idle(),
+            Duration::from_millis(50),
+            "a lease renewed every 100 ms lowers the idle sleep"
+        );
         tokio::time::sleep(Duration::from_secs(3)).await;
         assert!(guard.is_held(), "a 300 ms lease renewed through 3 s");
     }
