@@ -20,17 +20,17 @@
 //! in `cargo test` too. Ours on Redis is also measured on the usual test server (testkit's:
 //! `REDIS_SERVER_BIN` or `redis-server`), for the figures against no layer.
 //!
-//! Reported per variant: throughput, p50 and p99 latency, and the server process's CPU time
-//! per request (from /proc: every thread's time on a CPU, to the nanosecond). "execute"
-//! requests carry a new key each; "replay" requests repeat keys whose responses are stored.
-//! The memory store runs twice: with room for every key of the run (`memory`: what the layer
-//! costs before any eviction), and with the default bounds a service gets (`memory-default`:
-//! 100,000 entries, filled before the rounds, so every new key evicts the oldest record). Before the rounds, the latency while that
+//! Reported per variant: throughput, p50 and p99 latency, and the server process's CPU time per
+//! request (from /proc: every thread's time on a CPU, to the nanosecond). "execute" requests carry
+//! a new key each; "replay" requests repeat keys whose responses are stored. The memory store runs
+//! twice: with room for every key of the run (`memory`: what the layer costs before any eviction),
+//! and with the default bounds a service gets (`memory-default`: 100,000 entries, filled before the
+//! rounds, so every new key evicts the oldest record). Before the rounds, the latency while that
 //! default store fills (150,000 new keys on a fresh server) is taken against the same requests
-//! without the layer. At one connection, a server without the
-//! layer whose handler does 15 µs more work (`none-slow`) is measured too: on a machine whose
-//! idle CPUs sleep, the one-connection latency steps up with the server's work per request, and
-//! that row shows the step without the layer.
+//! without the layer. At one connection, a server without the layer whose handler does 15 µs more
+//! work (`none-slow`) is measured too: on a machine whose idle CPUs sleep, the one-connection
+//! latency steps up with the server's work per request, and that row shows the step without the
+//! layer.
 //!
 //! The servers on memory and on Valkey, without a layer and with ours and each peer's, are also
 //! driven at a fixed rate (`PACED_RATE` requests/s over the same connections, below what every
