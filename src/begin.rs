@@ -11,9 +11,8 @@ use http::{Request, Response, header};
 use http_body::Body;
 
 use crate::body::{BoxError, RequestBody, ResponseBody, read_request};
-use crate::context::Enclosing;
 use crate::fingerprint::identify;
-use crate::headers::{NEGOTIATED, joined};
+use crate::headers::negotiation;
 use crate::layer::{Config, OnConflict};
 use crate::metrics::{Event, count, store_latency};
 use crate::outcome::DecisionCell;
@@ -36,6 +35,9 @@ pub(crate) enum Decision<B, R> {
     },
 }
 
+// Out of line and cold: the answers that run the handler or replay stay on a short path.
+#[cold]
+#[inline(never)]
 fn reject<B, R>(config: &Config, span: &Span, rejection: Rejection) -> Decision<B, R> {
     tracing::debug!(%rejection, "idempotency: rejected");
     refused(span, &rejection);
@@ -145,7 +147,8 @@ where
     };
     // Before the body is read, under a Tokio timer (a keyless request passed through above
     // needs no runtime).
-    if tokio::runtime::Handle::try_current().is_err() {
+    // (A task's poll knows without touching the runtime's shared handle.)
+    if tokio::task::try_id().is_none() && tokio::runtime::Handle::try_current().is_err() {
         tracing::error!("tower-idempotency needs a Tokio runtime: the request is refused");
         return reject(
             &config,
@@ -248,7 +251,7 @@ where
     // A layer further out runs this request under this very name (the same layer on the router
     // and on a nested router): it is protected there. Another name is another key: protected
     // here too.
-    if Enclosing::holds(&parts.extensions, &name) {
+    if IdempotencyContext::holds(&parts.extensions, &name) {
         span.record("reason", "enclosing-layer");
         return unprotected(&span, parts, RequestBody::buffered(read));
     }
@@ -411,18 +414,10 @@ where
             tracing::debug!(key = %name, fence = lease.fence(), "idempotency: running the handler");
             span.record("decision", "executed");
             let decision = DecisionCell::new();
-            let mut negotiated = http::HeaderMap::new();
-            for name in NEGOTIATED {
-                if let Some(value) = joined(&parts.headers, &name) {
-                    negotiated.insert(name, value);
-                }
-            }
+            let negotiated = negotiation(&parts.headers);
             // One copy of the name, for the handler's context and for layers further in.
             let name: Arc<str> = name.into();
-            Enclosing::hold(&mut parts.extensions, &name);
-            parts
-                .extensions
-                .insert(IdempotencyContext::protected(name, lease, decision.clone()));
+            IdempotencyContext::protect(&mut parts.extensions, name, lease, decision.clone());
             Decision::Run {
                 request: Request::from_parts(parts, RequestBody::buffered(read)),
                 run: Some(Box::new(Run {
@@ -533,9 +528,7 @@ where
             span.record("decision", "passed-through");
             span.record("reason", "fail-open");
             count(Event::FailOpen);
-            parts
-                .extensions
-                .insert(IdempotencyContext::unprotected(name));
+            IdempotencyContext::unprotect(&mut parts.extensions, name);
             Decision::Run {
                 request: Request::from_parts(parts, RequestBody::buffered(read)),
                 run: None,

@@ -3,7 +3,6 @@
 use std::sync::Arc;
 
 use distlock::LeaseWatch;
-use smallvec::SmallVec;
 
 use crate::Outcome;
 use crate::outcome::DecisionCell;
@@ -27,22 +26,62 @@ pub struct IdempotencyContext {
     key: Arc<str>,
     lease: Option<LeaseWatch>,
     decision: Option<Arc<DecisionCell>>,
+    /// The store names held for this request by layers further out (see [`holds`](Self::holds)),
+    /// other than `key`: empty (no allocation) under one layer.
+    outer: Vec<Arc<str>>,
 }
 
 impl IdempotencyContext {
-    pub(crate) fn protected(key: Arc<str>, lease: LeaseWatch, decision: Arc<DecisionCell>) -> Self {
-        IdempotencyContext {
+    /// The context of a request whose execution holds `key`, in `extensions` (replacing that of a
+    /// layer further out, whose names it keeps).
+    pub(crate) fn protect(
+        extensions: &mut http::Extensions,
+        key: Arc<str>,
+        lease: LeaseWatch,
+        decision: Arc<DecisionCell>,
+    ) {
+        let outer = Self::held(extensions);
+        extensions.insert(IdempotencyContext {
             key,
             lease: Some(lease),
             decision: Some(decision),
-        }
+            outer,
+        });
     }
 
-    pub(crate) fn unprotected(key: String) -> Self {
-        IdempotencyContext {
+    /// The context of a request run unprotected under `key` (fail-open), in `extensions`.
+    pub(crate) fn unprotect(extensions: &mut http::Extensions, key: String) {
+        let outer = Self::held(extensions);
+        extensions.insert(IdempotencyContext {
             key: key.into(),
             lease: None,
             decision: None,
+            outer,
+        });
+    }
+
+    /// Whether a layer the request went through holds `name` (a layer on the router and one on
+    /// a route, a batch endpoint that forwards its requests with their extensions): a layer
+    /// finding its own name passes the request through, instead of finding its key held by the
+    /// execution it runs inside (409 for every request); a layer with another name (another
+    /// key) protects the request as well.
+    pub(crate) fn holds(extensions: &http::Extensions, name: &str) -> bool {
+        extensions.get::<IdempotencyContext>().is_some_and(|ctx| {
+            (ctx.is_protected() && &*ctx.key == name) || ctx.outer.iter().any(|n| &**n == name)
+        })
+    }
+
+    /// The names held by the layers `extensions` went through.
+    fn held(extensions: &http::Extensions) -> Vec<Arc<str>> {
+        match extensions.get::<IdempotencyContext>() {
+            None => Vec::new(),
+            Some(ctx) => {
+                let mut held = ctx.outer.clone();
+                if ctx.is_protected() {
+                    held.push(ctx.key.clone());
+                }
+                held
+            }
         }
     }
 
@@ -116,33 +155,6 @@ impl IdempotencyContext {
     /// ```
     pub fn is_protected(&self) -> bool {
         self.lease.is_some()
-    }
-}
-
-/// The store names held for this request by the layers it went through (a layer on the router
-/// and one on a route, a batch endpoint that forwards its requests with their extensions): a
-/// layer finding its own name here passes the request through, instead of finding its key held
-/// by the execution it runs inside (409 for every request); a layer with another name (another
-/// key) protects the request as well.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Enclosing(SmallVec<[Arc<str>; 1]>);
-
-impl Enclosing {
-    /// Whether a layer the request went through holds `name`.
-    pub(crate) fn holds(extensions: &http::Extensions, name: &str) -> bool {
-        extensions
-            .get::<Enclosing>()
-            .is_some_and(|held| held.0.iter().any(|n| &**n == name))
-    }
-
-    /// Records that this request's execution holds `name`.
-    pub(crate) fn hold(extensions: &mut http::Extensions, name: &Arc<str>) {
-        match extensions.get_mut::<Enclosing>() {
-            Some(held) => held.0.push(name.clone()),
-            None => {
-                extensions.insert(Enclosing(smallvec::smallvec![name.clone()]));
-            }
-        }
     }
 }
 

@@ -35,6 +35,32 @@ pub(crate) const NEGOTIATED: [HeaderName; 4] = [
     header::ORIGIN,
 ];
 
+/// The request's values of the [`NEGOTIATED`] headers it has, each joined as [`joined`] joins
+/// them: one pass over its headers, comparing names, where looking each up would hash it.
+pub(crate) fn negotiation(request: &HeaderMap) -> HeaderMap {
+    let mut out = HeaderMap::new();
+    for (name, value) in request {
+        if !NEGOTIATED.contains(name) {
+            continue;
+        }
+        match out.get_mut(name) {
+            None => {
+                out.insert(name.clone(), value.clone());
+            }
+            Some(first) => {
+                let mut all = first.as_bytes().to_vec();
+                all.extend_from_slice(b", ");
+                all.extend_from_slice(value.as_bytes());
+                // Valid values joined by ", ": valid.
+                if let Ok(all) = HeaderValue::from_bytes(&all) {
+                    *first = all;
+                }
+            }
+        }
+    }
+    out
+}
+
 /// All values of a header, joined with ", " (one value: no copy).
 pub(crate) fn joined(headers: &HeaderMap, name: &HeaderName) -> Option<HeaderValue> {
     let mut values = headers.get_all(name).iter();
@@ -94,4 +120,42 @@ pub(crate) fn kept_headers(config: &Config, headers: HeaderMap) -> HeaderMap {
         config.replay_headers.keeps(name)
     })
     .into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn negotiation_joins_each_negotiated_header_as_a_lookup_would() {
+        let mut request = HeaderMap::new();
+        request.append(header::ACCEPT, HeaderValue::from_static("text/html"));
+        request.append(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        request.append(
+            header::ORIGIN,
+            HeaderValue::from_static("https://a.example"),
+        );
+        request.append(
+            header::ACCEPT,
+            HeaderValue::from_static("application/json;q=0.9"),
+        );
+        request.append(header::COOKIE, HeaderValue::from_static("a=1"));
+        let one_pass = negotiation(&request);
+        let mut looked_up = HeaderMap::new();
+        for name in NEGOTIATED {
+            if let Some(value) = joined(&request, &name) {
+                looked_up.insert(name, value);
+            }
+        }
+        assert_eq!(one_pass, looked_up);
+        assert_eq!(one_pass.len(), 2, "{one_pass:?}");
+        assert_eq!(
+            one_pass[header::ACCEPT],
+            "text/html, application/json;q=0.9"
+        );
+        assert!(negotiation(&HeaderMap::new()).is_empty());
+    }
 }

@@ -99,13 +99,13 @@ impl Keys {
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut digits = vec![0; bytes.len() * 2];
-    for (pair, b) in digits.chunks_exact_mut(2).zip(bytes) {
-        pair[0] = DIGITS[usize::from(b >> 4)];
-        pair[1] = DIGITS[usize::from(b & 0xf)];
+    // Pushed as chars (ASCII: one byte each), so the string is never checked again as UTF-8.
+    let mut digits = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        digits.push(char::from(DIGITS[usize::from(b >> 4)]));
+        digits.push(char::from(DIGITS[usize::from(b & 0xf)]));
     }
-    // ASCII digits: always UTF-8.
-    String::from_utf8(digits).unwrap_or_default()
+    digits
 }
 
 #[cfg(test)]

@@ -197,6 +197,40 @@ async fn a_layer_inside_another_passes_protected_requests_through() {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
+/// A layer that fails open (its store unreachable) between a layer on the router and the same
+/// layer on the route: the innermost still finds the outer one's name and passes the request
+/// through (the fail-open layer's context, which replaces the outer one's, keeps the names held
+/// further out), rather than finding its key held by the execution it runs inside (409).
+#[tokio::test]
+async fn a_fail_open_layer_between_two_keeps_the_outer_name() {
+    let store = Store::memory();
+    let (runs, pay) = counting();
+    let port = testkit::free_port().unwrap();
+    let down = Store::redis(&format!("redis://127.0.0.1:{port}/")).unwrap();
+    let failing_open = IdempotencyLayer::builder(down)
+        .secret(SECRET)
+        .unwrap()
+        .key(key::json("/order").unwrap())
+        .fail_open(true)
+        .build()
+        .unwrap();
+    let layer = builder(&store).global_keys().build().unwrap();
+    let app = Router::new()
+        .route(
+            "/pay",
+            post(pay)
+                .route_layer(layer.clone())
+                .route_layer(failing_open),
+        )
+        .layer(layer);
+    let body = r#"{"order":"o-1"}"#;
+    let first = send(&app, post_req("/pay", Some("k-1"), body)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let again = send(&app, post_req("/pay", Some("k-1"), body)).await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 /// A layer on the router keyed by the header, and one on the signup route keyed by the phone
 /// number: one person, two tabs, two header keys, one phone number at once. The inner layer
 /// must still exclude the second (it passed every request the outer one protected through:

@@ -21,10 +21,7 @@ use super::BoxError;
 /// 304, 1xx), the `content-length` if it has one, else none (chunked or until the connection
 /// ends). (The layer never covers `HEAD` requests.)
 pub(crate) fn announced_length(parts: &Parts) -> Option<u64> {
-    let bodiless = parts.status.is_informational()
-        || parts.status == http::StatusCode::NO_CONTENT
-        || parts.status == http::StatusCode::NOT_MODIFIED;
-    if bodiless {
+    if bodiless(parts.status) {
         return Some(0);
     }
     // As HTTP servers read it: digits only, and several values only if they agree (else no
@@ -44,16 +41,24 @@ pub(crate) fn announced_length(parts: &Parts) -> Option<u64> {
     length
 }
 
+/// A status whose response has no body, whatever its head says.
+fn bodiless(status: http::StatusCode) -> bool {
+    status.is_informational()
+        || status == http::StatusCode::NO_CONTENT
+        || status == http::StatusCode::NOT_MODIFIED
+}
+
 /// Announces a body that knows its exact length (`hint`), under a head that announces none, with
 /// that length, as servers do (axum's routes and hyper write a `content-length` from an exact
 /// size hint): the first client gets the head it would get without the layer, the replay the
 /// same, and the body is held to it ([`Announced`]) as the server would hold it.
 pub(crate) fn announce_exact(parts: &mut Parts, hint: &SizeHint) {
     // A head with a transfer coding announces no length (hyper refuses one next to it).
+    // (Without a `content-length`, only a bodiless status announces a length.)
     if let Some(len) = hint.exact()
         && !parts.headers.contains_key(http::header::CONTENT_LENGTH)
         && !parts.headers.contains_key(http::header::TRANSFER_ENCODING)
-        && announced_length(parts).is_none()
+        && !bodiless(parts.status)
     {
         parts
             .headers

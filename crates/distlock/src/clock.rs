@@ -9,6 +9,13 @@ pub(crate) fn now() -> Instant {
     tokio::time::Instant::now().into_std()
 }
 
+/// Whether this runs on a Tokio runtime (its timers and tasks can be used). A task's poll knows
+/// without touching the runtime's shared handle (whose count every worker would bounce between
+/// cores, once per request); outside a task, the handle is asked.
+pub(crate) fn on_tokio() -> bool {
+    tokio::task::try_id().is_some() || tokio::runtime::Handle::try_current().is_ok()
+}
+
 /// About 30 years: "forever" for a deadline, and still far from `Instant`'s limits.
 const FAR: Duration = Duration::from_secs(30 * 365 * 86_400);
 

@@ -301,7 +301,7 @@ pub(crate) async fn acquire_until(
 ) -> Result<(Attempt, Instant), LockError> {
     // Timers and the watchdog's task are Tokio's: under another executor, say so rather than
     // panic inside them.
-    if tokio::runtime::Handle::try_current().is_err() {
+    if !crate::clock::on_tokio() {
         return Err(LockError::Config(crate::ConfigError::invalid(
             "runtime",
             "locks run on Tokio: acquire inside a Tokio runtime (#[tokio::main], or Runtime::enter)",
