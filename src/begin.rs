@@ -35,9 +35,6 @@ pub(crate) enum Decision<B, R> {
     },
 }
 
-// Out of line and cold: the answers that run the handler or replay stay on a short path.
-#[cold]
-#[inline(never)]
 fn reject<B, R>(config: &Config, span: &Span, rejection: Rejection) -> Decision<B, R> {
     tracing::debug!(%rejection, "idempotency: rejected");
     refused(span, &rejection);
