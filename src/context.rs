@@ -40,22 +40,25 @@ impl IdempotencyContext {
         lease: LeaseWatch,
         decision: Arc<DecisionCell>,
     ) {
-        let outer = Self::held(extensions);
-        extensions.insert(IdempotencyContext {
-            key,
-            lease: Some(lease),
-            decision: Some(decision),
-            outer,
-        });
+        Self::install(extensions, key, Some(lease), Some(decision));
     }
 
     /// The context of a request run unprotected under `key` (fail-open), in `extensions`.
     pub(crate) fn unprotect(extensions: &mut http::Extensions, key: String) {
+        Self::install(extensions, key.into(), None, None);
+    }
+
+    fn install(
+        extensions: &mut http::Extensions,
+        key: Arc<str>,
+        lease: Option<LeaseWatch>,
+        decision: Option<Arc<DecisionCell>>,
+    ) {
         let outer = Self::held(extensions);
         extensions.insert(IdempotencyContext {
-            key: key.into(),
-            lease: None,
-            decision: None,
+            key,
+            lease,
+            decision,
             outer,
         });
     }

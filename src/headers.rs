@@ -35,27 +35,16 @@ pub(crate) const NEGOTIATED: [HeaderName; 4] = [
     header::ORIGIN,
 ];
 
-/// The request's values of the [`NEGOTIATED`] headers it has, each joined as [`joined`] joins
-/// them: one pass over its headers, comparing names, where looking each up would hash it.
+/// The request's values of the [`NEGOTIATED`] headers it has, each [`joined`]: one pass over its
+/// headers finds which it has, comparing names, where looking each up would hash it.
 pub(crate) fn negotiation(request: &HeaderMap) -> HeaderMap {
     let mut out = HeaderMap::new();
-    for (name, value) in request {
-        if !NEGOTIATED.contains(name) {
-            continue;
-        }
-        match out.get_mut(name) {
-            None => {
-                out.insert(name.clone(), value.clone());
-            }
-            Some(first) => {
-                let mut all = first.as_bytes().to_vec();
-                all.extend_from_slice(b", ");
-                all.extend_from_slice(value.as_bytes());
-                // Valid values joined by ", ": valid.
-                if let Ok(all) = HeaderValue::from_bytes(&all) {
-                    *first = all;
-                }
-            }
+    for name in request.keys() {
+        if NEGOTIATED.contains(name)
+            && !out.contains_key(name)
+            && let Some(value) = joined(request, name)
+        {
+            out.insert(name.clone(), value);
         }
     }
     out
