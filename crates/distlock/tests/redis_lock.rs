@@ -1452,6 +1452,44 @@ async fn a_dead_writers_parts_are_never_the_next_writers() {
     );
 }
 
+/// The holder's tag names a holder: a completed record keeps none, in one part or streamed
+/// (`complete.lua` empties it in the record's own write), and the record replays as stored.
+#[tokio::test]
+async fn a_completed_record_keeps_no_holders_tag() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("tagless");
+    let c = client(&server, &prefix, LockConfig::default()).await;
+    let mut admin = server.connection().await;
+    for (name, streamed) in [("whole", false), ("streamed", true)] {
+        let once = c.once(name).unwrap();
+        let Begin::Acquired(run) = once.begin("in-flight tag").await.unwrap() else {
+            panic!("{name}: the lock is free")
+        };
+        let state = once.name().state_key().to_owned();
+        let tag: Option<String> = admin.hget(&state, "m").await.unwrap();
+        assert_eq!(
+            tag.as_deref(),
+            Some("in-flight tag"),
+            "{name}: shown while held"
+        );
+        if streamed {
+            run.append(b"first").await.unwrap();
+        }
+        run.complete(b"record").await.unwrap();
+        let tag: Option<String> = admin.hget(&state, "m").await.unwrap();
+        assert!(
+            tag.as_deref().is_none_or(str::is_empty),
+            "{name}: the tag {tag:?} outlived its holder"
+        );
+        let inspection = once.inspect().await.unwrap();
+        assert!(inspection.holder.is_none(), "{name}: {inspection:?}");
+        match once.begin("another").await.unwrap() {
+            Begin::Done(_) => {}
+            _ => panic!("{name}: the record replays"),
+        }
+    }
+}
+
 /// Waits, at most 10 s, until `key` is gone from Redis.
 async fn until_gone(redis: &mut redis::aio::MultiplexedConnection, key: &str) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
