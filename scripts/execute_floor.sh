@@ -27,26 +27,7 @@ SCRIPT=execute_floor.sh
 source scripts/floor_server.sh "$@"
 ROUNDS="${ROUNDS:-3}"
 N=200000
-cli function load replace "#!lua name=floor
-redis.register_function('begin_min', function(keys, args)
-  local state = redis.call('HMGET', keys[2], 'd', 'n')
-  if state[1] then return state[1] end
-  if redis.call('SET', keys[1], args[1], 'NX', 'PX', args[2]) then return 1 end
-  return 0
-end)
-redis.register_function('complete_min', function(keys, args)
-  if redis.call('GET', keys[1]) ~= args[1] then return 0 end
-  redis.call('HSET', keys[2], 'd', args[2])
-  redis.call('PEXPIRE', keys[2], args[3])
-  redis.call('DEL', keys[1])
-  return 1
-end)
-redis.register_function('hold', function(keys, args)
-  for i = 0, tonumber(args[1]) - 1 do
-    redis.call('SET', string.format('{' .. args[2] .. ':%012d}', i), 'token')
-  end
-  return 1
-end)" >/dev/null
+cli -x function load replace < scripts/execute_floor.lua >/dev/null
 LIBRARY="$(mktemp)"
 cargo run -q -p distlock --example acl -- --library > "$LIBRARY"
 OURS="$(head -n 1 "$LIBRARY" | sed 's/.*name=//')"

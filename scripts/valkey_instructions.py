@@ -11,9 +11,10 @@ call each way.
 
     peer:  axum-idempotent's Redis store (ruts): HGET of the key's field in the session hash,
            then its script, HSET + HEXPIRE of that field; a replay is the HGET.
-    floor: benches/http's floor: a script that finds the record or takes the lease (GET,
-           SET NX PX), then one that stores the record and frees the lease (GET, SET PX, DEL);
-           a replay is the first script finding the record.
+    floor: scripts/execute_floor.lua, as scripts/execute_floor.sh runs it: a function that
+           finds the record or takes the lease (HMGET, SET NX PX), then one that stores the
+           record and frees the lease (GET, HSET, PEXPIRE, DEL); a replay is the first
+           finding the record.
     ours:  distlock's own `begin` and `complete` functions (the library the `acl` example
            prints); a replay is `begin` finding the record.
 
@@ -85,16 +86,13 @@ def peer(conn, n):
 
 
 def floor(conn, n):
-    scripts = [
-        open(os.path.join(ROOT, "benches/http", f"floor_{name}.lua")).read()
-        for name in ("begin", "complete")
-    ]
-    begin, complete = (conn.call("SCRIPT", "LOAD", s) for s in scripts)
+    with open(os.path.join(ROOT, "scripts", "execute_floor.lua")) as f:
+        conn.call("FUNCTION", "LOAD", "REPLACE", f.read())
     for i in range(n):
         k = key(i)
-        conn.call("EVALSHA", begin, "2", k + ":r", k, TOKEN, "30000")
-        conn.call("EVALSHA", complete, "2", k + ":r", k, TOKEN, RECORD, "86400000")
-    return lambda i: conn.call("EVALSHA", begin, "2", key(i) + ":r", key(i), TOKEN, "30000")
+        conn.call("FCALL", "begin_min", "2", k, k + ":state", TOKEN, "10000")
+        conn.call("FCALL", "complete_min", "2", k, k + ":state", TOKEN, RECORD, "86400000")
+    return lambda i: conn.call("FCALL", "begin_min", "2", key(i), key(i) + ":state", TOKEN, "10000")
 
 
 def ours(library):
