@@ -194,22 +194,20 @@ impl Floor {
                 connection, begin, ..
             } => {
                 let token = fastrand::u64(..);
-                let reply: Vec<redis::Value> = begin
+                let reply: redis::Value = begin
                     .key(record_key(key))
                     .key(lease_key(key))
                     .arg(token)
                     .arg(LEASE.as_millis() as u64)
                     .invoke_async(&mut connection.clone())
                     .await?;
-                Ok(match reply.as_slice() {
-                    [redis::Value::Int(0)] => Begun::Claimed { token },
-                    [redis::Value::Int(1), redis::Value::BulkString(record)] => {
-                        match Stored::decode(Bytes::copy_from_slice(record)) {
-                            Some(stored) => Begun::Stored(stored),
-                            None => return Err(unreadable()),
-                        }
-                    }
-                    [redis::Value::Int(2)] => Begun::Busy,
+                Ok(match reply {
+                    redis::Value::Int(0) => Begun::Claimed { token },
+                    redis::Value::BulkString(record) => match Stored::decode(Bytes::from(record)) {
+                        Some(stored) => Begun::Stored(stored),
+                        None => return Err(unreadable()),
+                    },
+                    redis::Value::Int(2) => Begun::Busy,
                     _ => return Err(unreadable()),
                 })
             }

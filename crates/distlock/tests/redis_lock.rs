@@ -1453,7 +1453,7 @@ async fn a_dead_writers_parts_are_never_the_next_writers() {
 }
 
 /// The holder's tag names a holder: a completed record keeps none, in one part or streamed
-/// (`complete.lua` empties it in the record's own write), and the record replays as stored.
+/// (`complete.lua` deletes it with the record's write), and the record replays as stored.
 #[tokio::test]
 async fn a_completed_record_keeps_no_holders_tag() {
     let server = RedisServer::start().await;

@@ -20,18 +20,15 @@
 --          longer one is stored with its length (l) and SHA-1 (h), which begin.lua answers
 --          with instead. Absent: no such record.
 --
--- The holder's tag (m) is emptied in the same write as the record: it names a holder, and a
--- record has none (emptied rather than deleted: one command fewer on every completion).
---
 -- Returns 1 if stored (now or by an earlier attempt with this token), 0 if the lock was not
 -- ours any more, -1 - n if n parts are stored instead of ARGV[4] (nothing is touched).
 local function one_part()
   local inline = tonumber(ARGV[5])
   if inline and #ARGV[2] > inline then
-    redis.call('HSET', KEYS[2], 'd', ARGV[2], 'c', ARGV[1], 'm', '', 'l', #ARGV[2], 'h',
+    redis.call('HSET', KEYS[2], 'd', ARGV[2], 'c', ARGV[1], 'l', #ARGV[2], 'h',
       redis.sha1hex(ARGV[2]))
   else
-    redis.call('HSET', KEYS[2], 'd', ARGV[2], 'c', ARGV[1], 'm', '')
+    redis.call('HSET', KEYS[2], 'd', ARGV[2], 'c', ARGV[1])
   end
 end
 if redis.pcall('GET', KEYS[1]) == ARGV[1] then
@@ -47,8 +44,12 @@ if redis.pcall('GET', KEYS[1]) == ARGV[1] then
       return -1 - stored
     end
     redis.call('RPUSH', KEYS[3], ARGV[2])
-    redis.call('HSET', KEYS[2], 'p', stored + 1, 'c', ARGV[1], 'm', '')
+    redis.call('HSET', KEYS[2], 'p', stored + 1, 'c', ARGV[1])
   end
+  -- The holder's tag goes: a record has no holder. Deleted, not emptied in the write above (a
+  -- command fewer): an empty field costs every stored record some 40 bytes in Redis for its
+  -- whole retention (a hash entry, once the record is over the listpack limit).
+  redis.call('HDEL', KEYS[2], 'm')
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
   -- The parts' retention after the state's: Redis (before 7.2) reads its clock per command in a
   -- script, and parts that expired a millisecond before the state saying done would make a
