@@ -96,11 +96,14 @@ def peer(conn, n):
 def floor(conn, n):
     with open(os.path.join(ROOT, "scripts", "execute_floor.lua")) as f:
         conn.call("FUNCTION", "LOAD", "REPLACE", f.read())
+    def begin(i):
+        return conn.call("FCALL", "begin_min", "2", key(i), key(i) + ":state", TOKEN, "10000")
+
     for i in range(n):
+        begin(i)
         k = key(i)
-        conn.call("FCALL", "begin_min", "2", k, k + ":state", TOKEN, "10000")
         stored(conn.call("FCALL", "complete_min", "2", k, k + ":state", TOKEN, RECORD, "86400000"))
-    return lambda i: conn.call("FCALL", "begin_min", "2", key(i), key(i) + ":state", TOKEN, "10000")
+    return begin
 
 
 def ours(library):
@@ -108,19 +111,18 @@ def ours(library):
 
     def run(conn, n):
         conn.call("FUNCTION", "LOAD", "REPLACE", library)
-        for i in range(n):
-            k = key(i)
-            keys = ["3", k, k + ":state", k + ":parts"]
-            conn.call("FCALL", f"{name}_begin", *keys, TOKEN, "10000", "86400000", TAG,
-                      "1700000000000000")
-            stored(conn.call("FCALL", f"{name}_complete", *keys, TOKEN, RECORD, "86400000", "0"))
 
-        def again(i):
+        def begin(i):
             k = key(i)
             return conn.call("FCALL", f"{name}_begin", "3", k, k + ":state", k + ":parts", TOKEN,
                              "10000", "86400000", TAG, "1700000000000000")
 
-        return again
+        for i in range(n):
+            begin(i)
+            k = key(i)
+            stored(conn.call("FCALL", f"{name}_complete", "3", k, k + ":state", k + ":parts",
+                             TOKEN, RECORD, "86400000", "0"))
+        return begin
 
     return run
 
