@@ -2,10 +2,13 @@
 //! handler called through an axum `Router` without the layer, with it on the memory store
 //! (execute: a new key each time; replay: a stored key), and in `cancel_on_disconnect` mode
 //! (the execution driven inline instead of spawned, which isolates what detaching costs), and
-//! the same request after the thread slept (a CPU that was idle, as at low traffic).
+//! the same request after the thread slept (a CPU that was idle, as at low traffic). In each
+//! round the `idempotent` peer (benches/peers/idempotent, `--round`) then measures its memory
+//! layer in its own process with the same request and the same timing code
+//! (`common::in_process`): warm, and after sleeping.
 //!
 //! ```sh
-//! cargo bench --bench layer -- --ratios                  # per-round ratios against no layer
+//! cargo bench --bench layer -- --ratios                  # per-round ratios: no layer, the peer
 //! cargo bench --bench layer                              # criterion: time per request
 //! cargo bench --bench layer -- --profile execute 20000   # a fixed run, for callgrind/perf
 //!                                                        # (execute, replay, inline, none, full):
@@ -16,9 +19,10 @@
 mod common;
 
 use std::hint::black_box;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::Series;
+use common::in_process::{PAUSE, after_pause, per_request};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::Router;
@@ -134,49 +138,16 @@ fn layer(c: &mut Criterion) {
 
 criterion_group!(benches, layer);
 
-/// Time per request (µs) of `app` over `window`, keys from `key`.
-async fn per_request(app: &Router, window: Duration, mut key: impl FnMut() -> String) -> f64 {
-    let started = Instant::now();
-    let mut n = 0u64;
-    while started.elapsed() < window {
-        for _ in 0..100 {
-            black_box(one(app, &key()).await);
-        }
-        n += 100;
-    }
-    started.elapsed().as_secs_f64() * 1e6 / n as f64
-}
-
-/// The pause before each request of [`after_pause`]: long enough for the CPU to go idle.
-const PAUSE: Duration = Duration::from_millis(10);
-
-/// Median time (µs) of `n` requests of `app`, each after a [`PAUSE`]: with `sleep`, the thread
-/// sleeps and the CPU goes idle (on this VM a halted vCPU, which comes back with cold caches,
-/// TLB and predictors), as between the requests of a service at low traffic; without, it spins,
-/// so the CPU stays awake and only time passes (timers, the store's expiries). The runtime is
-/// blocked during the pause.
-async fn after_pause(app: &Router, n: usize, sleep: bool, mut key: impl FnMut() -> String) -> f64 {
-    let mut samples = Vec::with_capacity(n);
-    for _ in 0..n {
-        let key = key();
-        if sleep {
-            std::thread::sleep(PAUSE);
-        } else {
-            let spin = Instant::now();
-            while spin.elapsed() < PAUSE {
-                std::hint::spin_loop();
-            }
-        }
-        let started = Instant::now();
-        black_box(one(app, &key).await);
-        samples.push(started.elapsed());
-    }
-    common::percentile_us(&mut samples, 50.0)
+/// [`one`] with the key owned: the shape `common::in_process` calls.
+async fn call(app: &Router, key: String) -> usize {
+    one(app, &key).await
 }
 
 /// Rounds of: no layer, then each variant, back to back; the layer's added time per request
 /// and throughput ratios, min / median / max over the rounds.
 fn ratios(mode: common::Mode) {
+    let peer = common::peer::idempotent_server()
+        .unwrap_or_else(|e| panic!("the idempotent peer cannot be built: {e}"));
     let rt = runtime();
     rt.block_on(async {
         let none = app("none");
@@ -198,22 +169,34 @@ fn ratios(mode: common::Mode) {
         let mut t_inline = Series::default();
         let (mut idle_none, mut idle_execute) = (Series::default(), Series::default());
         let (mut busy_none, mut busy_execute) = (Series::default(), Series::default());
+        // The `idempotent` peer's (no layer, execute) on its memory store.
+        let (mut peer_warm, mut peer_idle) = (
+            (Series::default(), Series::default()),
+            (Series::default(), Series::default()),
+        );
         let idle_n = if mode.full { 60 } else { 3 };
         for _ in 0..mode.rounds {
             // A new store per round: "empty" is a store filling up from nothing.
             let empty = app("detached");
-            per_request(&none, mode.warmup, &mut fresh).await;
-            t_none.push(per_request(&none, mode.window, &mut fresh).await);
-            t_empty.push(per_request(&empty, mode.window, &mut fresh).await);
+            per_request(mode.warmup, &mut fresh, |k| call(&none, k)).await;
+            t_none.push(per_request(mode.window, &mut fresh, |k| call(&none, k)).await);
+            t_empty.push(per_request(mode.window, &mut fresh, |k| call(&empty, k)).await);
             let inline = app("inline");
-            t_inline.push(per_request(&inline, mode.window, &mut fresh).await);
-            per_request(&full, mode.warmup, &mut fresh).await;
-            t_full.push(per_request(&full, mode.window, &mut fresh).await);
-            t_replay.push(per_request(&replay, mode.window, || "stored".to_owned()).await);
-            idle_none.push(after_pause(&none, idle_n, true, &mut fresh).await);
-            idle_execute.push(after_pause(&empty, idle_n, true, &mut fresh).await);
-            busy_none.push(after_pause(&none, idle_n, false, &mut fresh).await);
-            busy_execute.push(after_pause(&empty, idle_n, false, &mut fresh).await);
+            t_inline.push(per_request(mode.window, &mut fresh, |k| call(&inline, k)).await);
+            per_request(mode.warmup, &mut fresh, |k| call(&full, k)).await;
+            t_full.push(per_request(mode.window, &mut fresh, |k| call(&full, k)).await);
+            t_replay
+                .push(per_request(mode.window, || "stored".to_owned(), |k| call(&replay, k)).await);
+            idle_none.push(after_pause(idle_n, true, &mut fresh, |k| call(&none, k)).await);
+            idle_execute.push(after_pause(idle_n, true, &mut fresh, |k| call(&empty, k)).await);
+            busy_none.push(after_pause(idle_n, false, &mut fresh, |k| call(&none, k)).await);
+            busy_execute.push(after_pause(idle_n, false, &mut fresh, |k| call(&empty, k)).await);
+            // The peer, right after, in its own process, measured by the same code.
+            let theirs = peer_round(&peer, mode.window, mode.warmup, idle_n);
+            peer_warm.0.push(theirs[0]);
+            peer_warm.1.push(theirs[1]);
+            peer_idle.0.push(theirs[2]);
+            peer_idle.1.push(theirs[3]);
         }
         let fmt_us = |s: &Series| format!("{:.2} / {:.2} / {:.2} µs", s.min(), s.median(), s.max());
         println!(
@@ -271,7 +254,65 @@ fn ratios(mode: common::Mode) {
                 &fmt_us(&layer.minus(base)),
             ]);
         }
+        println!(
+            "\nAgainst `idempotent` (its memory store, in its own process, the same request and \
+             timing code, right after ours in each round): time added to no layer, execute\n"
+        );
+        common::row(&["", "ours", "idempotent", "ours / idempotent"]);
+        common::row(&["---", "---", "---", "---"]);
+        for (name, ours, theirs) in [
+            (
+                "warm",
+                t_empty.minus(&t_none),
+                peer_warm.1.minus(&peer_warm.0),
+            ),
+            (
+                "after sleeping",
+                idle_execute.minus(&idle_none),
+                peer_idle.1.minus(&peer_idle.0),
+            ),
+        ] {
+            common::row(&[
+                name,
+                &fmt_us(&ours),
+                &fmt_us(&theirs),
+                &ours.ratio(&theirs).fmt_ratio(),
+            ]);
+        }
     });
+}
+
+/// One round of the peer's `--round` mode: its (no layer, execute) time per request over
+/// `window` (no layer warmed up for `warmup` first), then after a pause (median of `idle_n`),
+/// in µs.
+fn peer_round(
+    peer: &std::path::Path,
+    window: Duration,
+    warmup: Duration,
+    idle_n: usize,
+) -> [f64; 4] {
+    let output = std::process::Command::new(peer)
+        .args([
+            "--round",
+            &window.as_millis().to_string(),
+            &warmup.as_millis().to_string(),
+            &idle_n.to_string(),
+        ])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run the idempotent peer {}: {e}", peer.display()));
+    let text = String::from_utf8_lossy(&output.stdout);
+    let figures: Vec<f64> = text
+        .split_whitespace()
+        .filter_map(|f| f.parse().ok())
+        .collect();
+    match figures[..] {
+        [a, b, c, d] if output.status.success() => [a, b, c, d],
+        _ => panic!(
+            "the idempotent peer's --round printed {text:?} ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        ),
+    }
 }
 
 fn main() {

@@ -6,6 +6,7 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod in_process;
 pub mod ops;
 pub mod peer;
 pub mod profiled;

@@ -7,6 +7,7 @@
 //!
 //! ```sh
 //! idempotent-peer --profile <execute|replay|none> <n>   # in process, like benches/layer.rs
+//! idempotent-peer --round <window_ms> <warmup_ms> <idle_n>  # one round of benches/layer.rs's comparison
 //! ```
 //!
 //! It prints its port on the first line of stdout, and exits when stdin closes. The URL is
@@ -96,6 +97,55 @@ async fn one(app: &Router, key: &str) -> usize {
 #[allow(dead_code, unreachable_pub)]
 mod profiled;
 
+/// The bench's route, with the layer on a new memory store or without.
+fn in_process_app(layered: bool) -> Router {
+    let routes = Router::new().route("/pay", post(pay));
+    if layered {
+        routes.layer(layer(
+            MemoryStore::builder()
+                .try_build()
+                .expect("the memory store"),
+        ))
+    } else {
+        routes
+    }
+}
+
+/// Timing shared with benches/layer.rs.
+#[path = "../../../common/in_process.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod in_process;
+
+/// [`one`] with the key owned: the shape `in_process` calls.
+async fn call(app: &Router, key: String) -> usize {
+    one(app, &key).await
+}
+
+/// `--round <window_ms> <warmup_ms> <idle_n>`: one round of benches/layer.rs's comparison, as
+/// it measures ours: no layer and execute (a new key each time, on a store filling from
+/// empty), time per request over the window, then the median of `idle_n` requests each after
+/// the thread slept. Prints the four figures in µs, on one line.
+fn round(window: Duration, warmup: Duration, idle_n: usize) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let (none, execute) = (in_process_app(false), in_process_app(true));
+        let mut counter = 0u64;
+        let mut fresh = move || {
+            counter += 1;
+            format!("k-{counter}")
+        };
+        in_process::per_request(warmup, &mut fresh, |k| call(&none, k)).await;
+        let warm_none = in_process::per_request(window, &mut fresh, |k| call(&none, k)).await;
+        let warm = in_process::per_request(window, &mut fresh, |k| call(&execute, k)).await;
+        let idle_none = in_process::after_pause(idle_n, true, &mut fresh, |k| call(&none, k)).await;
+        let idle = in_process::after_pause(idle_n, true, &mut fresh, |k| call(&execute, k)).await;
+        println!("{warm_none} {warm} {idle_none} {idle}");
+    });
+}
+
 /// `--profile <execute|replay|none> <n>`: n requests in process on a current-thread runtime,
 /// as `cargo bench --bench layer -- --profile` runs ours.
 fn profile(variant: &str, n: u64) {
@@ -104,16 +154,7 @@ fn profile(variant: &str, n: u64) {
         .build()
         .unwrap();
     runtime.block_on(async {
-        let routes = Router::new().route("/pay", post(pay));
-        let app = if variant == "none" {
-            routes
-        } else {
-            routes.layer(layer(
-                MemoryStore::builder()
-                    .try_build()
-                    .expect("the memory store"),
-            ))
-        };
+        let app = in_process_app(variant != "none");
         one(&app, "stored").await;
         let started = std::time::Instant::now();
         for i in 0..n {
@@ -131,6 +172,17 @@ fn profile(variant: &str, n: u64) {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [flag, window, warmup, idle_n] = args.as_slice()
+        && flag == "--round"
+    {
+        let ms = |v: &str| Duration::from_millis(v.parse().expect("milliseconds"));
+        round(
+            ms(window),
+            ms(warmup),
+            idle_n.parse().expect("a number of requests"),
+        );
+        return;
+    }
     if let [flag, variant, n] = args.as_slice()
         && flag == "--profile"
     {
