@@ -256,18 +256,24 @@ fn ratios(mode: common::Mode) {
         }
         println!(
             "\nAgainst `idempotent` (its memory store, in its own process, the same request and \
-             timing code, right after ours in each round): time added to no layer, execute\n"
+             timing code, right after ours in each round): time per request\n"
         );
         common::row(&["", "ours", "idempotent", "ours / idempotent"]);
         common::row(&["---", "---", "---", "---"]);
         for (name, ours, theirs) in [
+            ("no layer, warm", t_none.clone(), peer_warm.0.clone()),
             (
-                "warm",
+                "execute, added to no layer, warm",
                 t_empty.minus(&t_none),
                 peer_warm.1.minus(&peer_warm.0),
             ),
             (
-                "after sleeping",
+                "no layer, after sleeping",
+                idle_none.clone(),
+                peer_idle.0.clone(),
+            ),
+            (
+                "execute, added to no layer, after sleeping",
                 idle_execute.minus(&idle_none),
                 peer_idle.1.minus(&peer_idle.0),
             ),
@@ -284,34 +290,48 @@ fn ratios(mode: common::Mode) {
 
 /// One round of the peer's `--round` mode: its (no layer, execute) time per request over
 /// `window` (no layer warmed up for `warmup` first), then after a pause (median of `idle_n`),
-/// in µs.
+/// in µs. The peer is killed, and the bench fails, past a deadline.
 fn peer_round(
     peer: &std::path::Path,
     window: Duration,
     warmup: Duration,
     idle_n: usize,
 ) -> [f64; 4] {
-    let output = std::process::Command::new(peer)
+    use std::io::Read;
+    let mut child = std::process::Command::new(peer)
         .args([
             "--round",
             &window.as_millis().to_string(),
             &warmup.as_millis().to_string(),
             &idle_n.to_string(),
         ])
-        .output()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap_or_else(|e| panic!("cannot run the idempotent peer {}: {e}", peer.display()));
-    let text = String::from_utf8_lossy(&output.stdout);
-    let figures: Vec<f64> = text
-        .split_whitespace()
-        .filter_map(|f| f.parse().ok())
-        .collect();
-    match figures[..] {
-        [a, b, c, d] if output.status.success() => [a, b, c, d],
-        _ => panic!(
-            "the idempotent peer's --round printed {text:?} ({}): {}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        ),
+    // Ten times what the round should take, and a minute.
+    let deadline = std::time::Instant::now()
+        + Duration::from_secs(60)
+        + 10 * (warmup + 2 * window + 2 * (idle_n as u32) * PAUSE);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waiting for the idempotent peer") {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the idempotent peer's --round did not end in time: killed");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (mut out, mut err) = (String::new(), String::new());
+    child.stdout.take().map(|mut s| s.read_to_string(&mut out));
+    child.stderr.take().map(|mut s| s.read_to_string(&mut err));
+    // One line of four numbers, nothing else.
+    let figures: Option<Vec<f64>> = out.trim().split(' ').map(|f| f.parse().ok()).collect();
+    match figures.as_deref() {
+        Some(&[a, b, c, d]) if status.success() && !out.trim().contains('\n') => [a, b, c, d],
+        _ => panic!("the idempotent peer's --round printed {out:?} ({status}): {err}"),
     }
 }
 

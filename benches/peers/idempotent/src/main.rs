@@ -100,7 +100,7 @@ mod profiled;
 /// The bench's route, with the layer on a new memory store or without.
 fn in_process_app(layered: bool) -> Router {
     let routes = Router::new().route("/pay", post(pay));
-    if layered {
+    let app = if layered {
         routes.layer(layer(
             MemoryStore::builder()
                 .try_build()
@@ -108,7 +108,10 @@ fn in_process_app(layered: bool) -> Router {
         ))
     } else {
         routes
-    }
+    };
+    // What `axum::serve` does once, as benches/layer.rs does for ours: without it, every call
+    // would make the route and apply the layer again.
+    app.with_state(())
 }
 
 /// Timing shared with benches/layer.rs.
