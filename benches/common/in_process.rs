@@ -60,8 +60,15 @@ where
         black_box(one(key).await);
         samples.push(started.elapsed());
     }
+    percentile_us(&mut samples, 50.0)
+}
+
+/// The p-th percentile (0..=100) of durations, in microseconds (NaN for none).
+pub fn percentile_us(samples: &mut [Duration], p: f64) -> f64 {
+    if samples.is_empty() {
+        return f64::NAN;
+    }
     samples.sort_unstable();
-    samples
-        .get(samples.len() / 2)
-        .map_or(f64::NAN, |median| median.as_secs_f64() * 1e6)
+    let rank = ((p / 100.0) * (samples.len() - 1) as f64).round() as usize;
+    samples[rank].as_secs_f64() * 1e6
 }

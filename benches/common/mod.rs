@@ -7,6 +7,8 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod in_process;
+#[allow(unused_imports)] // Not every harness takes percentiles.
+pub use in_process::percentile_us;
 pub mod ops;
 pub mod peer;
 pub mod profiled;
@@ -114,16 +116,6 @@ impl Series {
             self.max()
         )
     }
-}
-
-/// The p-th percentile (0..=100) of durations, in microseconds.
-pub fn percentile_us(samples: &mut [Duration], p: f64) -> f64 {
-    if samples.is_empty() {
-        return f64::NAN;
-    }
-    samples.sort_unstable();
-    let rank = ((p / 100.0) * (samples.len() - 1) as f64).round() as usize;
-    samples[rank].as_secs_f64() * 1e6
 }
 
 /// Prints a markdown table row.
