@@ -1,15 +1,22 @@
 #!/usr/bin/env python3
-"""The code a request runs through the layer, in 64-byte lines, against no layer.
+"""The code a request runs, in 64-byte lines, through a layer against no layer.
 
 A request that comes after the CPU was idle finds little of its code in the caches: what it
 costs then grows with the code it runs, not with the instructions it executes (see
-docs/BENCHMARKS.md, "The layer in process"). This counts that code: it runs the layer bench's profile loop
-(`--profile <variant> N`) under callgrind, collecting only inside the profiled requests
-(`common::profiled::poll_profiled`), and counts the distinct instruction addresses and 64-byte code lines
-executed, per variant, and per function for the lines a layered request adds.
+docs/BENCHMARKS.md, "The layer in process"). This counts that code for any binary with a
+`--profile <none|execute|replay> N` loop: the layer bench (ours) and the `idempotent` peer
+(`benches/peers/idempotent`), so both are counted the same way.
+
+The whole process is counted, so the work a request leaves to other tasks counts too (the
+peer's store is an actor task, and a spawned task is polled outside the request's own future).
+Each variant runs N and 2N requests under callgrind; a request's code is every 64-byte line
+holding an instruction whose count grew by at least N between the two runs (once per request
+or more), so setup code, timers and amortised work (a table that grows now and then) are not
+counted.
 
     cargo bench --bench layer --no-run
     scripts/footprint.py target/release/deps/layer-<hash> [N]
+    scripts/footprint.py target/peers/release/idempotent-peer [N]
 
 Needs valgrind. Under valgrind the sha2 crate runs its portable SHA-256 (valgrind hides the
 SHA extensions), whose code is larger than the SHA-NI code a real CPU runs: its lines are
@@ -25,16 +32,22 @@ import tempfile
 
 
 def parse(path):
-    """Code lines (address >> 6) executed, per function, from a callgrind file written with
-    --dump-instr=yes."""
-    per_fn = collections.defaultdict(set)
+    """Instructions executed per code address, and each address's function, from a callgrind
+    file written with --dump-instr=yes."""
+    counts = collections.Counter()
+    function_of = {}
     names = {}
     fn = None
     last = 0
+    positions = 1
+    call_cost_next = False
     with open(path) as f:
         for line in f:
             line = line.rstrip("\n")
             if not line:
+                continue
+            if line.startswith("positions:"):
+                positions = len(line.split()) - 1
                 continue
             m = re.match(r"^(fn|cfn|ob|cob|fl|fi|fe|cfi|cfl)=(.*)$", line)
             if m:
@@ -47,8 +60,12 @@ def parse(path):
                         fn = names.get(named.group(1), value) if named else value
                 continue
             if line.startswith("calls="):
+                # The next line is the call's position and its inclusive cost: not this
+                # function's own.
+                call_cost_next = True
                 continue
-            token = line.split()[0]
+            fields = line.split()
+            token = fields[0]
             if token.startswith("0x"):
                 address = int(token, 16)
             elif token.startswith("+"):
@@ -60,8 +77,13 @@ def parse(path):
             else:
                 continue
             last = address
-            per_fn[fn].add(address >> 6)
-    return per_fn
+            if call_cost_next:
+                call_cost_next = False
+                continue
+            if len(fields) > positions:
+                counts[address] += int(fields[positions])
+                function_of[address] = fn
+    return counts, function_of
 
 
 def run(binary, variant, n, out):
@@ -70,8 +92,6 @@ def run(binary, variant, n, out):
             "valgrind",
             "--tool=callgrind",
             "--dump-instr=yes",
-            "--collect-atstart=no",
-            "--toggle-collect=*::poll_profiled*",
             f"--callgrind-out-file={out}",
             binary,
             "--profile",
@@ -85,15 +105,46 @@ def run(binary, variant, n, out):
     return parse(out)
 
 
+def per_request(binary, variant, n, tmp):
+    """The code lines every request runs, per function."""
+    once, _ = run(binary, variant, n, os.path.join(tmp, f"{variant}.{n}"))
+    twice, function_of = run(binary, variant, 2 * n, os.path.join(tmp, f"{variant}.{2 * n}"))
+    lines = collections.defaultdict(set)
+    for address, count in twice.items():
+        if count - once.get(address, 0) >= n:
+            lines[function_of[address]].add(address >> 6)
+    if not lines:
+        sys.exit(f"footprint.py: no code grew with the requests in {variant}")
+    return lines
+
+
+# Where a function's code belongs, by the first pattern its name contains (ours and the peer's).
+AREAS = [
+    ("the layer: begin, response future, execution, tee, record, bodies", ("tower_idempotency::", "idempotent::middleware", "idempotent::fingerprint", "idempotent::key")),
+    ("the lock and the store: lease, watchdog, fence, memory backend", ("distlock::", "idempotent::")),
+    ("crypto", ("sha2::", "hkdf::", "hmac::", "ring::", "aes", "digest::")),
+    ("tokio", ("tokio::", "tokio_util::", "mio::")),
+    ("http, axum, tower, tracing", ("http::", "http_body", "axum", "tower::", "hyper", "tracing")),
+    ("allocator, memcpy, collections, other", ("",)),
+]
+
+
+def area(name):
+    for title, patterns in AREAS:
+        if any(p in (name or "") for p in patterns):
+            return title
+    return AREAS[-1][0]
+
+
 def main():
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     binary = sys.argv[1]
-    n = int(sys.argv[2]) if len(sys.argv) > 2 else 20
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 300
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {v: run(binary, v, n, os.path.join(tmp, v)) for v in ("none", "execute", "replay")}
+        runs = {v: per_request(binary, v, n, tmp) for v in ("none", "execute", "replay")}
     none = set().union(*runs["none"].values())
-    print(f"| variant | code lines run ({n} requests) | KiB | lines beyond no layer | of them sha2 (portable) |")
+    print(f"| variant | code lines a request runs | KiB | lines beyond no layer | of them sha2 (portable) |")
     print("| --- | --- | --- | --- | --- |")
     for variant, per_fn in runs.items():
         lines = set().union(*per_fn.values())
@@ -101,6 +152,13 @@ def main():
         print(
             f"| {variant} | {len(lines)} | {len(lines) * 64 // 1024} | {len(lines - none)} | {len(sha)} |"
         )
+    print("\n| lines an execute request adds, by area | lines |")
+    print("| --- | --- |")
+    by_area = collections.defaultdict(set)
+    for name, lines in runs["execute"].items():
+        by_area[area(name)] |= lines - none
+    for title, _ in AREAS:
+        print(f"| {title} | {len(by_area[title])} |")
     print("\nLines an execute request adds, by function (the 25 largest):\n")
     added = runs["execute"]
     rows = sorted(((len(v - none), k) for k, v in added.items()), reverse=True)

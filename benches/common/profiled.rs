@@ -1,6 +1,7 @@
 //! A future polled in a function of its own, for tools that measure one function: `valgrind
 //! --tool=callgrind --collect-atstart=no --toggle-collect='*::poll_profiled*' --dump-instr=yes`
-//! gives the code the future runs (`scripts/footprint.py`). Used by benches/layer.rs and by the
+//! gives the code the request's own future runs (not the tasks it leaves work to:
+//! `scripts/footprint.py` counts the whole process for that). Used by benches/layer.rs and by the
 //! `idempotent` peer's `--profile` mode (benches/peers/idempotent), so that both count the same
 //! span.
 
