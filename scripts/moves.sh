@@ -7,9 +7,10 @@
 #   cargo bench --bench layer --no-run
 #   scripts/moves.sh target/release/deps/layer-<hash> [N]
 #
-# Needs perf with uprobes (root): it adds the probe probe_libc:memmove_len on
-# __memmove_avx_unaligned_erms (the variant glibc picks on this machine; memcpy is an alias of
-# it), and removes it at exit.
+# Needs perf with uprobes (root): it adds a probe probe_libc:memmove_len_<variant> on each of
+# libc's __memmove_<variant>_unaligned_erms (glibc picks one by CPU at load: avx on the AMD EPYC
+# of docs/BENCHMARKS.md, evex or avx512 on an Intel Xeon; memcpy is an alias of it), and removes
+# them at exit.
 set -euo pipefail
 binary=${1:?usage: scripts/moves.sh target/release/deps/layer-<hash> [N]}
 n=${2:-2000}
@@ -17,16 +18,21 @@ libc=$(ldd "$binary" | awk '/libc\.so/ {print $3}')
 [ -n "$libc" ] || { echo "moves.sh: no libc in ldd $binary" >&2; exit 1; }
 tmp=$(mktemp -d)
 cleanup() {
-  perf probe -q -d probe_libc:memmove_len 2>/dev/null || true
+  perf probe -q -d 'probe_libc:memmove_len*' 2>/dev/null || true
   rm -rf "$tmp"
 }
 trap cleanup EXIT
 # A probe left by a run that was killed would make the add fail.
-perf probe -q -d probe_libc:memmove_len 2>/dev/null || true
-perf probe -x "$libc" 'memmove_len=__memmove_avx_unaligned_erms len=%dx:u64' 2>"$tmp/probe.err" \
-  || { cat "$tmp/probe.err" >&2; echo "moves.sh: cannot add the memmove probe (root, uprobes?)" >&2; exit 1; }
+perf probe -q -d 'probe_libc:memmove_len*' 2>/dev/null || true
+variants=$(perf probe -x "$libc" --funcs --no-demangle --filter='*' 2>/dev/null \
+  | sed -n 's/^__memmove_\([a-z0-9]*\)_unaligned_erms$/\1/p')
+[ -n "$variants" ] || { echo "moves.sh: no __memmove_*_unaligned_erms in $libc" >&2; exit 1; }
+for v in $variants; do
+  perf probe -x "$libc" "memmove_len_$v=__memmove_${v}_unaligned_erms len=%dx:u64" 2>"$tmp/probe.err" \
+    || { cat "$tmp/probe.err" >&2; echo "moves.sh: cannot add the memmove probe (root, uprobes?)" >&2; exit 1; }
+done
 sizes() { # variant requests -> one size per line
-  perf record -q -e probe_libc:memmove_len -o "$tmp/$1.$2.data" -- \
+  perf record -q -e 'probe_libc:memmove_len*' -o "$tmp/$1.$2.data" -- \
     "$binary" --profile "$1" "$2" >/dev/null 2>"$tmp/$1.$2.err" \
     || { cat "$tmp/$1.$2.err" >&2; echo "moves.sh: $binary --profile $1 $2 failed" >&2; exit 1; }
   perf script -i "$tmp/$1.$2.data" 2>/dev/null | sed -n 's/.*len=\([0-9]*\).*/\1/p' > "$tmp/$1.$2.sizes"
