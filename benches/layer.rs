@@ -14,6 +14,8 @@
 //!                                                        # (execute, replay, inline, none, full):
 //! valgrind --tool=callgrind target/release/deps/layer-* --profile execute 20000
 //! # (common::profiled: every poll of a profiled request in `poll_profiled`)
+//! REDIS_URL=redis://127.0.0.1:6379 target/release/deps/layer-* --profile execute 2000
+//! # the same on the Redis store, with keys of this run only (`scripts/footprint.py`)
 //! ```
 
 mod common;
@@ -44,10 +46,15 @@ async fn pay(body: bytes::Bytes) -> (StatusCode, axum::Json<serde_json::Value>) 
 }
 
 fn app(variant: &str) -> Router {
+    app_on(variant, Store::memory())
+}
+
+/// [`app`] on `store`.
+fn app_on(variant: &str, store: Store) -> Router {
     let routes = Router::new().route("/pay", post(pay));
     let layer = |cancel: bool| {
         // The default store: 100,000 entries (the "full" variants fill it first).
-        IdempotencyLayer::builder(Store::memory())
+        IdempotencyLayer::builder(store.clone())
             .secret("bench secret: 32 bytes, not for real use")
             .unwrap()
             .global_keys()
@@ -343,24 +350,54 @@ fn main() {
             .get(at + 2)
             .and_then(|n| n.parse().ok())
             .unwrap_or(20_000);
+        // On the Redis store at `REDIS_URL` if set (its records outlive the process: this run's
+        // keys carry the process id and the time), else on a new memory store.
+        let redis = std::env::var("REDIS_URL").ok();
+        let run = match &redis {
+            Some(_) => format!(
+                "{}-{}-",
+                std::process::id(),
+                std::time::UNIX_EPOCH
+                    .elapsed()
+                    .unwrap_or_default()
+                    .as_nanos()
+            ),
+            None => String::new(),
+        };
         let rt = runtime();
         let app = rt.block_on(async {
-            app(match variant {
-                "none" => "none",
-                "inline" => "inline",
-                _ => "detached",
-            })
+            let store = match &redis {
+                Some(url) => {
+                    Store::redis(url.as_str()).unwrap_or_else(|e| panic!("REDIS_URL {url}: {e}"))
+                }
+                None => Store::memory(),
+            };
+            app_on(
+                match variant {
+                    "none" => "none",
+                    "inline" => "inline",
+                    _ => "detached",
+                },
+                store,
+            )
         });
         rt.block_on(async {
             if variant == "full" {
                 fill_store(&app, FILL).await;
             }
-            one(&app, "stored").await;
+            let stored = format!("{run}stored");
+            // A store that cannot be reached answers 503: profiling that would be no use.
+            let first = app.clone().oneshot(request(&stored)).await.unwrap();
+            assert_eq!(
+                first.status(),
+                StatusCode::CREATED,
+                "the first request failed"
+            );
             for i in 0..n {
                 let key = if variant == "replay" {
-                    "stored".to_owned()
+                    stored.clone()
                 } else {
-                    format!("k-{i}")
+                    format!("{run}k-{i}")
                 };
                 black_box(common::profiled::profiled(one(&app, &key)).await);
             }

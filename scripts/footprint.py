@@ -18,6 +18,9 @@ counted.
     scripts/footprint.py target/release/deps/layer-<hash> [N]
     scripts/footprint.py target/peers/release/idempotent-peer [N]
 
+With `REDIS_URL` set, both binaries run on that Redis (or Valkey) instead of their memory
+stores, with keys of their run only.
+
 Needs valgrind. Under valgrind the sha2 crate runs its portable SHA-256 (valgrind hides the
 SHA extensions), whose code is larger than the SHA-NI code a real CPU runs: its lines are
 shown apart.
@@ -106,16 +109,17 @@ def run(binary, variant, n, out):
 
 
 def per_request(binary, variant, n, tmp):
-    """The code lines every request runs, per function."""
+    """The code lines every request runs, per function, and its instructions."""
     once, _ = run(binary, variant, n, os.path.join(tmp, f"{variant}.{n}"))
     twice, function_of = run(binary, variant, 2 * n, os.path.join(tmp, f"{variant}.{2 * n}"))
+    instructions = (sum(twice.values()) - sum(once.values())) / n
     lines = collections.defaultdict(set)
     for address, count in twice.items():
         if count - once.get(address, 0) >= n:
             lines[function_of[address]].add(address >> 6)
     if not lines:
         sys.exit(f"footprint.py: no code grew with the requests in {variant}")
-    return lines
+    return lines, instructions
 
 
 # Where a function's code belongs, by the first pattern its name contains (ours and the peer's).
@@ -123,6 +127,7 @@ AREAS = [
     ("the layer: begin, response future, execution, tee, record, bodies", ("tower_idempotency::", "idempotent::middleware", "idempotent::fingerprint", "idempotent::key")),
     ("the lock and the store: lease, watchdog, fence, memory backend", ("distlock::", "idempotent::")),
     ("crypto", ("sha2::", "hkdf::", "hmac::", "ring::", "aes", "digest::")),
+    ("the Redis client", ("redis::", "combine::")),
     ("tokio", ("tokio::", "tokio_util::", "mio::")),
     ("http, axum, tower, tracing", ("http::", "http_body", "axum", "tower::", "hyper", "tracing")),
     ("allocator, memcpy, collections, other", ("",)),
@@ -142,15 +147,20 @@ def main():
     binary = sys.argv[1]
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 300
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {v: per_request(binary, v, n, tmp) for v in ("none", "execute", "replay")}
+        measured = {v: per_request(binary, v, n, tmp) for v in ("none", "execute", "replay")}
+    runs = {v: lines for v, (lines, _) in measured.items()}
+    instructions = {v: i for v, (_, i) in measured.items()}
     none = set().union(*runs["none"].values())
-    print(f"| variant | code lines a request runs | KiB | lines beyond no layer | of them sha2 (portable) |")
-    print("| --- | --- | --- | --- | --- |")
+    store = f"the Redis store at {os.environ['REDIS_URL']}" if os.environ.get("REDIS_URL") else "the memory store"
+    print(f"On {store}, {n} and {2 * n} requests:\n")
+    print("| variant | code lines a request runs | KiB | lines beyond no layer | of them sha2 (portable) | instructions beyond no layer |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for variant, per_fn in runs.items():
         lines = set().union(*per_fn.values())
         sha = set().union(*(v for k, v in per_fn.items() if k and "sha2" in k)) - none
+        added = instructions[variant] - instructions["none"]
         print(
-            f"| {variant} | {len(lines)} | {len(lines) * 64 // 1024} | {len(lines - none)} | {len(sha)} |"
+            f"| {variant} | {len(lines)} | {len(lines) * 64 // 1024} | {len(lines - none)} | {len(sha)} | {added:,.0f} |"
         )
     print("\n| lines an execute request adds, by area | lines |")
     print("| --- | --- |")

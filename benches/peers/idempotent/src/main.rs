@@ -7,6 +7,7 @@
 //!
 //! ```sh
 //! idempotent-peer --profile <execute|replay|none> <n>   # in process, like benches/layer.rs
+//! REDIS_URL=redis://… idempotent-peer --profile execute <n>   # the same on its Valkey store
 //! idempotent-peer --round <window_ms> <warmup_ms> <idle_n>  # one round of benches/layer.rs's comparison
 //! ```
 //!
@@ -156,15 +157,42 @@ fn profile(variant: &str, n: u64) {
         .enable_all()
         .build()
         .unwrap();
+    // On its Valkey store at `REDIS_URL` if set (its records outlive the process: this run's
+    // keys carry the process id and the time), as benches/layer.rs runs ours.
+    let redis = std::env::var("REDIS_URL").ok();
+    let run = match &redis {
+        Some(_) => format!(
+            "{}-{}-",
+            std::process::id(),
+            std::time::UNIX_EPOCH
+                .elapsed()
+                .unwrap_or_default()
+                .as_nanos()
+        ),
+        None => String::new(),
+    };
     runtime.block_on(async {
-        let app = in_process_app(variant != "none");
-        one(&app, "stored").await;
+        let app = match (&redis, variant) {
+            (Some(url), "execute" | "replay") => app("valkey", url).await.with_state(()),
+            _ => in_process_app(variant != "none"),
+        };
+        let stored = format!("{run}stored");
+        // A store that cannot be reached answers an error: profiling that would be no use.
+        let first = {
+            use tower::ServiceExt;
+            app.clone().oneshot(request(&stored)).await.unwrap()
+        };
+        assert_eq!(
+            first.status(),
+            StatusCode::CREATED,
+            "the first request failed"
+        );
         let started = std::time::Instant::now();
         for i in 0..n {
             let key = if variant == "replay" {
-                "stored".to_owned()
+                stored.clone()
             } else {
-                format!("k-{i}")
+                format!("{run}k-{i}")
             };
             std::hint::black_box(profiled::profiled(one(&app, &key)).await);
         }
