@@ -8,9 +8,9 @@
 #   scripts/moves.sh target/release/deps/layer-<hash> [N]
 #
 # Needs perf with uprobes (root): it adds a probe probe_libc:memmove_len_<variant> on each of
-# libc's __memmove_<variant>_unaligned_erms (glibc picks one by CPU at load: avx on the AMD EPYC
-# of docs/BENCHMARKS.md, evex or avx512 on an Intel Xeon; memcpy is an alias of it), and removes
-# them at exit.
+# libc's __memmove_<variant> (glibc picks one by CPU at load: avx_unaligned_erms on the AMD EPYC
+# of docs/BENCHMARKS.md, avx512_unaligned_erms on the Intel Xeon; memcpy is an alias of it), and
+# removes them at exit.
 set -euo pipefail
 binary=${1:?usage: scripts/moves.sh target/release/deps/layer-<hash> [N]}
 n=${2:-2000}
@@ -24,11 +24,12 @@ cleanup() {
 trap cleanup EXIT
 # A probe left by a run that was killed would make the add fail.
 perf probe -q -d 'probe_libc:memmove_len*' 2>/dev/null || true
+# Every variant but the checking ones (`__memmove_chk_*`, which go on into one of these).
 variants=$(perf probe -x "$libc" --funcs --no-demangle --filter='*' 2>/dev/null \
-  | sed -n 's/^__memmove_\([a-z0-9]*\)_unaligned_erms$/\1/p')
-[ -n "$variants" ] || { echo "moves.sh: no __memmove_*_unaligned_erms in $libc" >&2; exit 1; }
+  | sed -n 's/^__memmove_\([a-z0-9_]*\)$/\1/p' | grep -v '^chk' | sort -u || true)
+[ -n "$variants" ] || { echo "moves.sh: no __memmove_* variant in $libc (perf probe --funcs)" >&2; exit 1; }
 for v in $variants; do
-  perf probe -x "$libc" "memmove_len_$v=__memmove_${v}_unaligned_erms len=%dx:u64" 2>"$tmp/probe.err" \
+  perf probe -x "$libc" "memmove_len_$v=__memmove_$v len=%dx:u64" 2>"$tmp/probe.err" \
     || { cat "$tmp/probe.err" >&2; echo "moves.sh: cannot add the memmove probe (root, uprobes?)" >&2; exit 1; }
 done
 sizes() { # variant requests -> one size per line
