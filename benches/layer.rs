@@ -361,17 +361,7 @@ fn main() {
         // On the Redis store at `REDIS_URL` if set (its records outlive the process: this run's
         // keys carry the process id and the time), else on a new memory store.
         let redis = std::env::var("REDIS_URL").ok();
-        let run = match &redis {
-            Some(_) => format!(
-                "{}-{}-",
-                std::process::id(),
-                std::time::UNIX_EPOCH
-                    .elapsed()
-                    .unwrap_or_default()
-                    .as_nanos()
-            ),
-            None => String::new(),
-        };
+        let run = common::profiled::run_prefix(redis.is_some());
         if redis.is_some() && variant == "full" {
             panic!("--profile full fills the memory store's bound: not with REDIS_URL");
         }

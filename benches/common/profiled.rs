@@ -19,3 +19,14 @@ pub async fn profiled<F: Future>(future: F) -> F::Output {
 fn poll_profiled<F: Future>(future: Pin<&mut F>, cx: &mut Context<'_>) -> Poll<F::Output> {
     future.poll(cx)
 }
+
+/// A prefix for the keys of one `--profile` run on a store that outlives the process (Redis):
+/// the process id and the time, so that an earlier run's records do not turn this run's
+/// executions into replays. Empty for a store made for the run.
+pub fn run_prefix(lasting_store: bool) -> String {
+    if !lasting_store {
+        return String::new();
+    }
+    let now = std::time::UNIX_EPOCH.elapsed().unwrap_or_default();
+    format!("{}-{}-", std::process::id(), now.as_nanos())
+}

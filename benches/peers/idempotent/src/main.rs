@@ -171,17 +171,7 @@ fn profile(variant: &str, n: u64) {
     // On its Valkey store at `REDIS_URL` if set (its records outlive the process: this run's
     // keys carry the process id and the time), as benches/layer.rs runs ours.
     let redis = std::env::var("REDIS_URL").ok();
-    let run = match &redis {
-        Some(_) => format!(
-            "{}-{}-",
-            std::process::id(),
-            std::time::UNIX_EPOCH
-                .elapsed()
-                .unwrap_or_default()
-                .as_nanos()
-        ),
-        None => String::new(),
-    };
+    let run = profiled::run_prefix(redis.is_some());
     runtime.block_on(async {
         let app = match (&redis, variant) {
             (Some(url), "execute" | "replay") => app("valkey", url).await.with_state(()),
