@@ -367,8 +367,8 @@ fn main() {
         }
         let rt = runtime();
         let app = rt.block_on(async {
-            let store = match &redis {
-                Some(_) => Store::redis(redis.as_deref().unwrap_or_default())
+            let store = match redis.as_deref() {
+                Some(url) => Store::redis(url)
                     .unwrap_or_else(|e| panic!("the Redis store at REDIS_URL: {e}")),
                 None => Store::memory(),
             };
