@@ -4,7 +4,7 @@ no layer.
 
 A request that comes after the CPU was idle finds little of its code in the caches: what it
 costs then grows with the code it runs, not with the instructions it executes (see
-docs/BENCHMARKS.md, "Against the peers"). This counts that code for any binary with a
+docs/BENCHMARKS.md, "The performance goals, and where they stand"). This counts that code for any binary with a
 `--profile <none|execute|replay> N` loop: the layer bench (ours) and the `idempotent` peer
 (`benches/peers/idempotent`), so both are counted the same way.
 
