@@ -15,7 +15,7 @@ pub const MAX_NAME_LEN: usize = 1024;
 /// | key | holds |
 /// |---|---|
 /// | `prefix:{name}` | the lock: the owner token (string) or, for a reentrant lock, a hash |
-/// | `prefix:{name}:state` | hash: fencing counter `n`, and for [`Once`](crate::Once) the in-flight tag `m`, a one-part record `d`, the part count `p` of a streamed record, the completing token `c` |
+/// | `prefix:{name}:state` | hash: fencing counter `n`, and for [`Once`](crate::Once) the in-flight tag `m` (once completed, the completing token), a one-part record `d`, the part count `p` of a streamed record |
 /// | `prefix:{name}:parts` | ([`Once`](crate::Once) streamed records only) list: the parts, in order |
 /// | `prefix:{name}:rel` | pub/sub channel announcing releases (and, for streamed records, progress) |
 ///

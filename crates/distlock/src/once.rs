@@ -50,7 +50,7 @@
 //! | key | type | holds | expiry |
 //! |---|---|---|---|
 //! | `prefix:{name}` | string | the holder's token | the lease |
-//! | `prefix:{name}:state` | hash | `n` the fencing counter (the current or last holder's fence; a new one starts from the writer's clock in microseconds, so a record begun again after it expired never repeats a fence), `m` the holder's tag while it holds, `d` a one-part record, `p` the part count of a complete streamed record, `c` the token that completed it, and on Redlock masters, for a record over 64 KiB, `l` its length and `h` its SHA-1 (which `begin` answers with instead of the record) | the retention |
+//! | `prefix:{name}:state` | hash | `n` the fencing counter (the current or last holder's fence; a new one starts from the writer's clock in microseconds, so a record begun again after it expired never repeats a fence), `m` the holder's tag while it holds, then the token that completed the record, `d` a one-part record, `p` the part count of a complete streamed record, and on Redlock masters, for a record over 64 KiB, `l` its length and `h` its SHA-1 (which `begin` answers with instead of the record) | the retention |
 //! | `prefix:{name}:parts` | list | part *i* at index *i*: the parts of the holder writing, or of the complete streamed record; absent for one-part records | the retention |
 //! | `prefix:{name}:rel` | channel | a release or completion announces the token; an append announces `+` and the part's index | — |
 //!
@@ -68,7 +68,7 @@
 //! one at a time, and transient failures are retried while the lease can be proven held, as
 //! completions are. Completion after appends checks that the list holds exactly the parts
 //! appended, pushes the last one and marks the record done with its count (`p`), atomically
-//! with the release; a retried completion is recognised by its token (`c`), as before.
+//! with the release; a retried completion is recognised by its token (`m`), as before.
 //!
 //! ## Writers and readers
 //!

@@ -1453,8 +1453,9 @@ async fn a_dead_writers_parts_are_never_the_next_writers() {
 }
 
 /// The holder's tag names a holder: a completed record keeps none, in one part or streamed.
-/// `complete.lua` deletes the field (an empty one would cost every stored record some 40 bytes
-/// for its retention), and the record replays as stored.
+/// `complete.lua` overwrites it with the completing token in the write that stores the record
+/// (deleting it would cost a command, an empty field some 40 bytes per record), so a record
+/// holds no field it did not hold before, and the record replays as stored.
 #[tokio::test]
 async fn a_completed_record_keeps_no_holders_tag() {
     let server = RedisServer::start().await;
@@ -1478,7 +1479,17 @@ async fn a_completed_record_keeps_no_holders_tag() {
         }
         run.complete(b"record").await.unwrap();
         let tag: Option<String> = admin.hget(&state, "m").await.unwrap();
-        assert_eq!(tag, None, "{name}: the tag field outlived its holder");
+        assert_ne!(
+            tag.as_deref(),
+            Some("in-flight tag"),
+            "{name}: the tag outlived its holder"
+        );
+        let mut fields: Vec<String> = admin.hkeys(&state).await.unwrap();
+        fields.sort();
+        let record_field = if streamed { "p" } else { "d" };
+        let mut expected = vec!["m", "n", "t", record_field];
+        expected.sort();
+        assert_eq!(fields, expected, "{name}: the fields of a stored record");
         let inspection = once.inspect().await.unwrap();
         assert!(inspection.holder.is_none(), "{name}: {inspection:?}");
         match once.begin("another").await.unwrap() {
@@ -1486,6 +1497,100 @@ async fn a_completed_record_keeps_no_holders_tag() {
             _ => panic!("{name}: the record replays"),
         }
     }
+}
+
+/// What a call to Redis runs, command by command (`INFO commandstats`, which counts the
+/// commands a script runs too).
+async fn commands_run<F: std::future::Future>(
+    admin: &mut redis::aio::MultiplexedConnection,
+    call: F,
+) -> (F::Output, std::collections::BTreeMap<String, u64>) {
+    async fn stats(
+        admin: &mut redis::aio::MultiplexedConnection,
+    ) -> std::collections::BTreeMap<String, u64> {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(admin)
+            .await
+            .unwrap();
+        info.lines()
+            .filter_map(|line| {
+                let (name, rest) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+                let calls = rest.strip_prefix("calls=")?.split(',').next()?;
+                Some((name.to_owned(), calls.parse().ok()?))
+            })
+            .collect()
+    }
+    let before = stats(admin).await;
+    let output = call.await;
+    let mut after = stats(admin).await;
+    for (name, calls) in &mut after {
+        *calls -= before.get(name).copied().unwrap_or(0);
+    }
+    // The INFO sent to read the counts before, and nothing else of ours.
+    if let Some(info) = after.get_mut("info") {
+        *info -= 1;
+    }
+    after.retain(|_, calls| *calls > 0);
+    // One name for a script call, sent either way (`FCALL`, or `EVALSHA` on Redis 6).
+    for sent in ["fcall", "evalsha"] {
+        if let Some(calls) = after.remove(sent) {
+            *after.entry("script call".to_owned()).or_default() += calls;
+        }
+    }
+    (output, after)
+}
+
+/// The commands an uncontended execution costs Redis: `begin` five (read the state, take the
+/// lock, write the holder and the retention, clear a dead writer's parts), `complete` five
+/// (check the lock, store the record over the holder's tag, its retention, free the lock,
+/// announce it). One more in either is a cost every request pays.
+#[tokio::test]
+async fn an_execution_runs_ten_commands_in_redis() {
+    let server = RedisServer::start().await;
+    let prefix = testkit::unique_prefix("budget");
+    let c = client(&server, &prefix, LockConfig::default()).await;
+    let mut admin = server.connection().await;
+    // The first call loads the library: not what a request costs.
+    let once = c.once("warm").unwrap();
+    let Begin::Acquired(run) = once.begin("tag").await.unwrap() else {
+        panic!("the lock is free")
+    };
+    run.complete(b"record").await.unwrap();
+    let once = c.once("counted").unwrap();
+    let (began, begin) = commands_run(&mut admin, once.begin("tag")).await;
+    let Begin::Acquired(run) = began.unwrap() else {
+        panic!("the lock is free")
+    };
+    let count = |pairs: &[(&str, u64)]| -> std::collections::BTreeMap<String, u64> {
+        pairs.iter().map(|(n, c)| ((*n).to_owned(), *c)).collect()
+    };
+    assert_eq!(
+        begin,
+        count(&[
+            ("script call", 1),
+            ("hmget", 1),
+            ("set", 1),
+            ("hset", 1),
+            ("pexpire", 1),
+            ("del", 1)
+        ]),
+        "begin"
+    );
+    let (completed, complete) = commands_run(&mut admin, run.complete(b"record")).await;
+    completed.unwrap();
+    assert_eq!(
+        complete,
+        count(&[
+            ("script call", 1),
+            ("get", 1),
+            ("hset", 1),
+            ("pexpire", 1),
+            ("del", 1),
+            ("publish", 1)
+        ]),
+        "complete"
+    );
 }
 
 /// Waits, at most 10 s, until `key` is gone from Redis.

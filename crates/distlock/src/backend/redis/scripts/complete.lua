@@ -1,7 +1,12 @@
 -- Completes a once-lock: stores the record and releases the lock, only if the lock still holds
 -- our token. A holder whose lease was lost stores nothing. The completing token is kept with
 -- the record, so that a retry of a completion whose reply was lost (a failover, a dropped
--- connection) is recognised as done rather than refused.
+-- connection) is recognised as done rather than refused. It is kept in the field that held the
+-- holder's tag (m): a record has no holder, and overwriting the tag in the write that stores the
+-- record costs a command less than deleting it (an empty field would cost every stored record
+-- some 40 bytes in Redis for its whole retention). Tags and tokens never collide: a token is
+-- unique per attempt and known only to its holder. (Records an earlier version completed keep
+-- the token in c, and no m.)
 --
 -- Without appends (ARGV[4] = '0') the record is one part, in the state hash (d). After appends
 -- the record is the last part, pushed after the others, and p = the part count marks the
@@ -25,10 +30,10 @@
 local function one_part()
   local inline = tonumber(ARGV[5])
   if inline and #ARGV[2] > inline then
-    redis.call('HSET', KEYS[2], 'd', ARGV[2], 'c', ARGV[1], 'l', #ARGV[2], 'h',
+    redis.call('HSET', KEYS[2], 'd', ARGV[2], 'm', ARGV[1], 'l', #ARGV[2], 'h',
       redis.sha1hex(ARGV[2]))
   else
-    redis.call('HSET', KEYS[2], 'd', ARGV[2], 'c', ARGV[1])
+    redis.call('HSET', KEYS[2], 'd', ARGV[2], 'm', ARGV[1])
   end
 end
 if redis.pcall('GET', KEYS[1]) == ARGV[1] then
@@ -44,12 +49,8 @@ if redis.pcall('GET', KEYS[1]) == ARGV[1] then
       return -1 - stored
     end
     redis.call('RPUSH', KEYS[3], ARGV[2])
-    redis.call('HSET', KEYS[2], 'p', stored + 1, 'c', ARGV[1])
+    redis.call('HSET', KEYS[2], 'p', stored + 1, 'm', ARGV[1])
   end
-  -- The holder's tag goes: a record has no holder. Deleted, not emptied in the write above (a
-  -- command fewer): an empty field costs every stored record some 40 bytes in Redis for its
-  -- whole retention (a hash entry, once the record is over the listpack limit).
-  redis.call('HDEL', KEYS[2], 'm')
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
   -- The parts' retention after the state's: Redis (before 7.2) reads its clock per command in a
   -- script, and parts that expired a millisecond before the state saying done would make a
@@ -65,7 +66,7 @@ if redis.pcall('GET', KEYS[1]) == ARGV[1] then
   redis.pcall('PUBLISH', KEYS[1] .. ':rel', ARGV[1])
   return 1
 end
-if redis.call('HGET', KEYS[2], 'c') == ARGV[1] then
+if redis.call('HGET', KEYS[2], 'm') == ARGV[1] then
   -- A retry of a completion whose reply was lost: done. The retention is refreshed: a write,
   -- so that a replica check (WAIT) sent after this call on a new connection waits for its
   -- replication, which a replica can only acknowledge after the record's (Valkey answers a
