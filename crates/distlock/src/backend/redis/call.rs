@@ -162,7 +162,10 @@ pub(crate) async fn send<C: Conn>(
     let mut recovery = Recovery::default();
     loop {
         match call.cmd.query_async::<Value>(&mut conn).await {
-            Err(error) if recovery.retry(&mut conn, calls, &mut call, &error).await? => {}
+            // Boxed: recovering is the rare path (a new, restarted or flushed server); its
+            // loading futures would otherwise grow every call's, past the size the allocator
+            // serves from its per-thread cache.
+            Err(error) if Box::pin(recovery.retry(&mut conn, calls, &mut call, &error)).await? => {}
             reply => return reply,
         }
     }

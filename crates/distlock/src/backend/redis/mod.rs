@@ -488,8 +488,8 @@ impl<C: Conn> RedisBackend<C> {
             let reply = match reply {
                 Value::ServerError(error) => {
                     let error = redis::RedisError::from(error);
-                    let again = recovery
-                        .retry(&mut conn, &self.calls, &mut call, &error)
+                    // Boxed, as in `call::send`: the rare path.
+                    let again = Box::pin(recovery.retry(&mut conn, &self.calls, &mut call, &error))
                         .await
                         .map_err(|e| LockError::from_redis(name, false, e))?;
                     if again {
@@ -687,8 +687,10 @@ impl<C: Conn> RedisBackend<C> {
                 Mode::Exclusive
                     if (!op.fencing || self.pipelined_fences) && self.replicas.is_none() =>
                 {
+                    // Boxed: its pipelines would otherwise grow a once-lock's `begin`, past
+                    // the size the allocator serves from its per-thread cache.
                     (
-                        NodeAttempt::Attempt(self.acquire_plain(op, start).await?),
+                        NodeAttempt::Attempt(Box::pin(self.acquire_plain(op, start)).await?),
                         None,
                     )
                 }
@@ -741,7 +743,7 @@ impl<C: Conn> RedisBackend<C> {
             {
                 // Too few replicas have the lock, or the check itself failed: it does not count,
                 // and it must not stay behind for a whole lease.
-                return Err(self.undo(op, error).await);
+                return Err(Box::pin(self.undo(op, error)).await);
             }
             Ok(attempt)
         })
