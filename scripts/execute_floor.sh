@@ -12,7 +12,7 @@
 #          set beforehand; a call that lands on one it already released, about 2.5%, stops at
 #          the GET, which flatters it). No fence, no announcement, no parts;
 #   ours:  the lock's own `begin` and `complete` functions (the library `distlock::function_library`
-#          prints), the same way: 11 commands with the fence, the in-flight tag, the parts
+#          prints), the same way: 10 commands with the fence, the in-flight tag, the parts
 #          cleared, the announcement.
 #
 # Prints the server's whole CPU per execution (INFO cpu, user + system, as the HTTP bench counts
@@ -87,7 +87,7 @@ print("| per execution, min / median / max | server CPU | the commands' own |")
 print("| --- | --- | --- |")
 print(f"| peer: HGET, then its HSET + HEXPIRE script | {mmm(col(0))} µs | {mmm(col(1))} µs |")
 print(f"| floor: HMGET + SET NX PX, then GET + HSET + PEXPIRE + DEL, two functions | {mmm(col(2))} µs | {mmm(col(3))} µs |")
-print(f"| ours: begin (5 commands), then complete (6), two functions | {mmm(col(4))} µs | {mmm(col(5))} µs |")
+print(f"| ours: begin (5 commands), then complete (5), two functions | {mmm(col(4))} µs | {mmm(col(5))} µs |")
 print(f"| floor / peer | {mmm([r[2] / r[0] for r in rows], '{:.2f}')} | {mmm([r[3] / r[1] for r in rows], '{:.2f}')} |")
 print(f"| ours / peer | {mmm([r[4] / r[0] for r in rows], '{:.2f}')} | {mmm([r[5] / r[1] for r in rows], '{:.2f}')} |")
 PY

@@ -680,20 +680,20 @@ impl<C: Conn> RedisBackend<C> {
         op: &'a Op,
         start: u64,
     ) -> BoxFuture<'a, Result<NodeAttempt, LockError>> {
+        if matches!(op.mode, Mode::Exclusive)
+            && (!op.fencing || self.pipelined_fences)
+            && self.replicas.is_none()
+        {
+            // A future of its own: its pipelines would otherwise grow a once-lock's `begin`,
+            // past the size the allocator serves from its per-thread cache.
+            return Box::pin(async move {
+                Ok(NodeAttempt::Attempt(self.acquire_plain(op, start).await?))
+            });
+        }
         Box::pin(async move {
             let keys = [op.name.lock_key(), op.name.state_key()];
             let name = op.name.as_str();
             let (attempt, acknowledged) = match &op.mode {
-                Mode::Exclusive
-                    if (!op.fencing || self.pipelined_fences) && self.replicas.is_none() =>
-                {
-                    // Boxed: its pipelines would otherwise grow a once-lock's `begin`, past
-                    // the size the allocator serves from its per-thread cache.
-                    (
-                        NodeAttempt::Attempt(Box::pin(self.acquire_plain(op, start)).await?),
-                        None,
-                    )
-                }
                 Mode::Exclusive => {
                     let mut call = self.call(&SCRIPTS.acquire, &keys, 4);
                     call.cmd

@@ -3,11 +3,12 @@
 -- abandoned writer left), else reports the holder.
 --
 -- KEYS[1]  lock key: a string holding the owner token, with the lease as its expiry
--- KEYS[2]  state key: a hash with n = fencing counter, m = the holder's tag, t = since when the
---          holder holds (ARGV[5]), d = a one-part completion record, p = the part count of a
---          complete streamed record, c = the token that completed it, and (Redlock masters,
---          records longer than they send with an answer) l = the record's length, h = its
---          SHA-1 in hex.
+-- KEYS[2]  state key: a hash with n = fencing counter, m = the holder's tag (once a record is
+--          stored, the token that completed it: complete.lua), t = since when the holder holds
+--          (ARGV[5]), d = a one-part completion record, p = the part count of a complete
+--          streamed record, and (Redlock masters, records longer than they send with an answer)
+--          l = the record's length, h = its SHA-1 in hex. (c = the completing token, in records
+--          an earlier version stored.)
 -- KEYS[3]  parts key: a list, the parts of a streamed record (absent for one-part records).
 --          All keys share one {hash tag}.
 -- ARGV[1]  owner token (unique per attempt)

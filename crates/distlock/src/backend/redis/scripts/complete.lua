@@ -4,9 +4,10 @@
 -- connection) is recognised as done rather than refused. It is kept in the field that held the
 -- holder's tag (m): a record has no holder, and overwriting the tag in the write that stores the
 -- record costs a command less than deleting it (an empty field would cost every stored record
--- some 40 bytes in Redis for its whole retention). Tags and tokens never collide: a token is
--- unique per attempt and known only to its holder. (Records an earlier version completed keep
--- the token in c, and no m.)
+-- some 40 bytes in Redis for its whole retention). So m names the completing token only beside
+-- a record (d or p, written with it): without one it is a holder's tag, whatever its bytes (a
+-- caller may pass any tag, a token it saw among them). (Records an earlier version completed
+-- keep the token in c, and no m.)
 --
 -- Without appends (ARGV[4] = '0') the record is one part, in the state hash (d). After appends
 -- the record is the last part, pushed after the others, and p = the part count marks the
@@ -66,7 +67,8 @@ if redis.pcall('GET', KEYS[1]) == ARGV[1] then
   redis.pcall('PUBLISH', KEYS[1] .. ':rel', ARGV[1])
   return 1
 end
-if redis.call('HGET', KEYS[2], 'm') == ARGV[1] then
+local done = redis.call('HMGET', KEYS[2], 'm', 'd', 'p')
+if done[1] == ARGV[1] and (done[2] or done[3]) then
   -- A retry of a completion whose reply was lost: done. The retention is refreshed: a write,
   -- so that a replica check (WAIT) sent after this call on a new connection waits for its
   -- replication, which a replica can only acknowledge after the record's (Valkey answers a
