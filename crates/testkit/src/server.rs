@@ -450,20 +450,37 @@ impl RedisServer {
         self.command_stat(command, "rejected_calls").await
     }
 
+    /// Every command the server has run, with how many times (`INFO commandstats`: lower-case
+    /// names, subcommands as `client|setinfo`; the commands scripts run count too). Read on a
+    /// connection of its own, whose handshake and `INFO` count from the next reading on.
+    pub async fn command_counts(&self) -> std::collections::BTreeMap<String, u64> {
+        self.command_field("calls").await
+    }
+
     async fn command_stat(&self, command: &str, field: &str) -> u64 {
+        self.command_field(field)
+            .await
+            .get(command)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// `field` of every command in `INFO commandstats`.
+    async fn command_field(&self, field: &str) -> std::collections::BTreeMap<String, u64> {
         let info: String = redis::cmd("INFO")
             .arg("commandstats")
             .query_async(&mut self.connection().await)
             .await
             .unwrap_or_else(|e| panic!("INFO commandstats: {e}"));
-        let prefix = format!("cmdstat_{command}:");
-        let Some(line) = info.lines().find_map(|l| l.strip_prefix(prefix.as_str())) else {
-            return 0;
-        };
-        line.split(',')
-            .find_map(|kv| kv.strip_prefix(field)?.strip_prefix('='))
-            .and_then(|n| n.trim().parse().ok())
-            .unwrap_or(0)
+        info.lines()
+            .filter_map(|line| {
+                let (command, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+                let value = stats
+                    .split(',')
+                    .find_map(|kv| kv.strip_prefix(field)?.strip_prefix('='))?;
+                Some((command.to_owned(), value.trim().parse().ok()?))
+            })
+            .collect()
     }
 
     /// How many script calls the server has run, either way the lock sends them (`FCALL` of a
