@@ -1544,24 +1544,23 @@ async fn a_tag_equal_to_a_lost_holders_token_is_no_completion() {
 }
 
 /// What a call to Redis runs, command by command (`INFO commandstats`, which counts the
-/// commands a script runs too): the counts after it less those before, without what reading
-/// them cost (a connection's handshake, the `INFO`).
+/// commands a script runs too), read on `admin` before and after it: the counts after less
+/// those before, less the `INFO` that read them before.
 async fn commands_run<F: std::future::Future>(
-    server: &RedisServer,
+    admin: &mut redis::aio::MultiplexedConnection,
     call: F,
 ) -> (F::Output, std::collections::BTreeMap<String, u64>) {
-    let before = server.command_counts().await;
+    let before = RedisServer::command_counts(admin).await;
     let output = call.await;
-    let mut after = server.command_counts().await;
+    let mut after = RedisServer::command_counts(admin).await;
     for (name, calls) in &mut after {
         *calls -= before.get(name).copied().unwrap_or(0);
     }
-    // The INFO sent to read the counts before.
     if let Some(info) = after.get_mut("info") {
         *info -= 1;
     }
-    // A connection's own handshake (the one reading the counts, and the client's pub/sub
-    // connection, which may be connecting or reconnecting meanwhile): not the call's.
+    // What the client's pub/sub connection may send meanwhile, (re)connecting: its handshake
+    // and subscriptions, never a request's.
     after.retain(|name, calls| {
         *calls > 0
             && ![
@@ -1597,6 +1596,7 @@ async fn an_execution_runs_ten_commands_in_redis() {
     let prefix = testkit::unique_prefix("budget");
     let config = LockConfig::builder().watchdog(false).build().unwrap();
     let c = client(&server, &prefix, config).await;
+    let mut admin = server.connection().await;
     // The first call loads the library: not what a request costs.
     let once = c.once("warm").unwrap();
     let Begin::Acquired(run) = once.begin("tag").await.unwrap() else {
@@ -1604,7 +1604,7 @@ async fn an_execution_runs_ten_commands_in_redis() {
     };
     run.complete(b"record").await.unwrap();
     let once = c.once("counted").unwrap();
-    let (began, begin) = commands_run(&server, once.begin("tag")).await;
+    let (began, begin) = commands_run(&mut admin, once.begin("tag")).await;
     let Begin::Acquired(run) = began.unwrap() else {
         panic!("the lock is free")
     };
@@ -1623,7 +1623,7 @@ async fn an_execution_runs_ten_commands_in_redis() {
         ]),
         "begin"
     );
-    let (completed, complete) = commands_run(&server, run.complete(b"record")).await;
+    let (completed, complete) = commands_run(&mut admin, run.complete(b"record")).await;
     completed.unwrap();
     assert_eq!(
         complete,

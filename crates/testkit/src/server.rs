@@ -451,36 +451,20 @@ impl RedisServer {
     }
 
     /// Every command the server has run, with how many times (`INFO commandstats`: lower-case
-    /// names, subcommands as `client|setinfo`; the commands scripts run count too). Read on a
-    /// connection of its own, whose handshake and `INFO` count from the next reading on.
-    pub async fn command_counts(&self) -> std::collections::BTreeMap<String, u64> {
-        self.command_field("calls").await
+    /// names, subcommands as `client|setinfo`; the commands scripts run count too), read on
+    /// `conn`: each reading adds its `INFO` to the next (a reading does not count itself).
+    pub async fn command_counts(
+        conn: &mut redis::aio::MultiplexedConnection,
+    ) -> std::collections::BTreeMap<String, u64> {
+        command_field(conn, "calls").await
     }
 
     async fn command_stat(&self, command: &str, field: &str) -> u64 {
-        self.command_field(field)
+        command_field(&mut self.connection().await, field)
             .await
             .get(command)
             .copied()
             .unwrap_or(0)
-    }
-
-    /// `field` of every command in `INFO commandstats`.
-    async fn command_field(&self, field: &str) -> std::collections::BTreeMap<String, u64> {
-        let info: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .query_async(&mut self.connection().await)
-            .await
-            .unwrap_or_else(|e| panic!("INFO commandstats: {e}"));
-        info.lines()
-            .filter_map(|line| {
-                let (command, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
-                let value = stats
-                    .split(',')
-                    .find_map(|kv| kv.strip_prefix(field)?.strip_prefix('='))?;
-                Some((command.to_owned(), value.trim().parse().ok()?))
-            })
-            .collect()
     }
 
     /// How many script calls the server has run, either way the lock sends them (`FCALL` of a
@@ -698,4 +682,25 @@ async fn start_container() -> Result<RedisServer, HarnessError> {
     };
     server.wait_ready(Duration::from_secs(30)).await?;
     Ok(server)
+}
+
+/// `field` of every command in `INFO commandstats`, read on `conn`.
+async fn command_field(
+    conn: &mut redis::aio::MultiplexedConnection,
+    field: &str,
+) -> std::collections::BTreeMap<String, u64> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .unwrap_or_else(|e| panic!("INFO commandstats: {e}"));
+    info.lines()
+        .filter_map(|line| {
+            let (command, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            let value = stats
+                .split(',')
+                .find_map(|kv| kv.strip_prefix(field)?.strip_prefix('='))?;
+            Some((command.to_owned(), value.trim().parse().ok()?))
+        })
+        .collect()
 }
