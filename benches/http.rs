@@ -37,7 +37,7 @@
 //! one of them serves): then each serves the same requests in the same time beside a load
 //! generator that takes the same CPU, and its CPU per request is not a share of two saturated
 //! cores. Beside them run `floor` and `floor-valkey` (benches/http/floor.rs), the least a layer
-//! with our guarantees does on each store; their added CPU is what any such layer must add.
+//! that runs a key once does on each store; their added CPU is what any such layer must add.
 //! Side by side ([`SIDE_BY_SIDE`]), no layer, ours, `idempotent` and the floor are loaded at
 //! the same time, each at a quarter of that rate: their ratios are taken at the same moments
 //! of a machine whose speed moves from one window to the next.
@@ -173,7 +173,7 @@ async fn app(variant: &str, redis_url: &str) -> Router {
                     .unwrap(),
             )
         }
-        // The least a layer with our guarantees does (benches/http/floor.rs).
+        // The least a layer that runs a key once does (benches/http/floor.rs).
         "floor" => routes.layer(axum::middleware::from_fn_with_state(
             floor::Floor::memory(),
             floor::floor,
@@ -1136,7 +1136,7 @@ fn report(
     }
 
     println!(
-        "\n## The floor: the least a layer with our guarantees adds, per execute unless said (medians; \
+        "\n## The floor: the least a layer that runs a key once adds, per execute unless said (medians; \
          ratios min / median / max)\n"
     );
     row(&[

