@@ -21,11 +21,18 @@
 //! forwarded, so nothing is ever lost; a wake from anything else (a timer, a socket, the
 //! execution yielding to the runtime's budget while driven) reaches the task as it would
 //! without this.
+//!
+//! A detached execution its holder drops before its end (the common case: the response has
+//! gone out, the store's answer to the completion has not come) is not spawned there but when
+//! what it waits for wakes it ([`Parking`]): the poll that drops it has just woken the store
+//! client's task (the command it sent), and a second task made ready in the same poll makes
+//! Tokio wake an idle worker to steal one of them, a futex wake-up per request for a task
+//! with nothing to do until the store answers.
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Wake, Waker};
 
 use futures_util::task::AtomicWaker;
@@ -39,6 +46,11 @@ pub(crate) struct Execution {
     driver: Option<Driver>,
     /// Where it goes on when dropped before its end; `None`: dropping it cancels it.
     detach: Option<tokio::runtime::Handle>,
+    /// The waker a detached execution is polled with: it forwards to the holder's task, and
+    /// spawns the execution once its holder has dropped it ([`Parking`]).
+    parking: Option<(Arc<Parking>, Waker)>,
+    /// The last poll was with the parking waker: what the execution waits for will wake it.
+    parked_waker: bool,
 }
 
 impl Execution {
@@ -47,6 +59,8 @@ impl Execution {
         Execution {
             driver: Some(driver),
             detach: None,
+            parking: None,
+            parked_waker: false,
         }
     }
 
@@ -56,14 +70,33 @@ impl Execution {
         Execution {
             driver: Some(driver),
             detach: runtime,
+            parking: None,
+            parked_waker: false,
         }
     }
 
     /// Polls it; returns whether it has ended.
     pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> bool {
-        if let Some(driver) = &mut self.driver
-            && driver.as_mut().poll(cx).is_ready()
-        {
+        let Some(driver) = &mut self.driver else {
+            return true;
+        };
+        let ready = if self.detach.is_some() {
+            let (parking, waker) = self.parking.get_or_insert_with(|| {
+                let parking = Arc::new(Parking::default());
+                let waker = Waker::from(parking.clone());
+                (parking, waker)
+            });
+            parking.hold(cx.waker());
+            self.parked_waker = true;
+            driver
+                .as_mut()
+                .poll(&mut Context::from_waker(waker))
+                .is_ready()
+        } else {
+            self.parked_waker = false;
+            driver.as_mut().poll(cx).is_ready()
+        };
+        if ready {
             self.driver = None;
         }
         self.driver.is_none()
@@ -85,8 +118,14 @@ impl Execution {
 
 impl Drop for Execution {
     fn drop(&mut self) {
-        if let (Some(driver), Some(runtime)) = (self.driver.take(), self.detach.take()) {
-            runtime.spawn(driver);
+        let (Some(driver), Some(runtime)) = (self.driver.take(), self.detach.take()) else {
+            return;
+        };
+        match &self.parking {
+            Some((parking, _)) if self.parked_waker => parking.park(driver, runtime),
+            _ => {
+                runtime.spawn(driver);
+            }
         }
     }
 }
@@ -97,6 +136,105 @@ impl std::fmt::Debug for Execution {
             .field("ended", &self.driver.is_none())
             .field("detached", &self.detach.is_some())
             .finish()
+    }
+}
+
+/// Where a detached execution waits, dropped by its holder before its end, for what it waits
+/// for: the wake spawns it. Spawning it at the drop instead would make a second task runnable
+/// in the poll that has just woken the store client's task (the command the execution sent);
+/// Tokio then pushes that task out of the worker's next-task slot and wakes an idle worker to
+/// steal it: a futex wake-up and a thread hop per request, for a task that has nothing to do
+/// until the store answers.
+#[derive(Default)]
+struct Parking {
+    state: Mutex<Parked>,
+}
+
+#[derive(Default)]
+enum Parked {
+    /// Not polled yet.
+    #[default]
+    Idle,
+    /// Driven by its holder: a wake goes to the holder's task, and is remembered until the
+    /// next poll.
+    Held { task: Waker, woken: bool },
+    /// Dropped by its holder: the next wake spawns it.
+    Waiting(Driver, tokio::runtime::Handle),
+    /// Spawned: it polls itself with its own task's waker from now on.
+    Gone,
+}
+
+impl Parking {
+    fn lock(&self) -> MutexGuard<'_, Parked> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The holder polls it for the task of `task`.
+    fn hold(&self, task: &Waker) {
+        let mut state = self.lock();
+        match &mut *state {
+            Parked::Held { task: held, woken } => {
+                if !held.will_wake(task) {
+                    held.clone_from(task);
+                }
+                *woken = false;
+            }
+            _ => {
+                *state = Parked::Held {
+                    task: task.clone(),
+                    woken: false,
+                }
+            }
+        }
+    }
+
+    /// The holder dropped it before its end: spawned now if woken since its last poll, else at
+    /// the next wake.
+    fn park(&self, driver: Driver, runtime: tokio::runtime::Handle) {
+        let mut state = self.lock();
+        if let Parked::Held { woken: false, .. } = &*state {
+            *state = Parked::Waiting(driver, runtime);
+            return;
+        }
+        *state = Parked::Gone;
+        drop(state);
+        runtime.spawn(driver);
+    }
+}
+
+impl Wake for Parking {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        let mut state = self.lock();
+        match std::mem::replace(&mut *state, Parked::Gone) {
+            Parked::Held { task, .. } => {
+                *state = Parked::Held {
+                    task: task.clone(),
+                    woken: true,
+                };
+                drop(state);
+                task.wake();
+            }
+            Parked::Waiting(driver, runtime) => {
+                drop(state);
+                runtime.spawn(driver);
+            }
+            other => *state = other,
+        }
+    }
+}
+
+impl Drop for Parking {
+    /// Its last waker dropped unwoken: it is spawned rather than dropped, so that it is never
+    /// cancelled (nor dropped wherever that waker was).
+    fn drop(&mut self) {
+        let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if let Parked::Waiting(driver, runtime) = std::mem::take(state) {
+            runtime.spawn(driver);
+        }
     }
 }
 
@@ -194,5 +332,151 @@ impl Driving {
             cx.waker().wake_by_ref();
         }
         (ended, received)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use std::time::Duration;
+    use tokio::sync::oneshot;
+
+    /// A detached execution that waits for `go`, then says so on `done`; counts its polls.
+    fn waiting(
+        go: oneshot::Receiver<()>,
+        done: oneshot::Sender<()>,
+        polls: Arc<AtomicUsize>,
+    ) -> Execution {
+        let mut go = go;
+        let driver: Driver = Box::pin(async move {
+            std::future::poll_fn(|cx| {
+                polls.fetch_add(1, Ordering::SeqCst);
+                Pin::new(&mut go).poll(cx).map(|_| ())
+            })
+            .await;
+            let _ = done.send(());
+        });
+        Execution::detached(driver, Some(tokio::runtime::Handle::current()))
+    }
+
+    async fn ended(done: oneshot::Receiver<()>, what: &str) {
+        tokio::time::timeout(Duration::from_secs(10), done)
+            .await
+            .unwrap_or_else(|_| panic!("{what}: the execution did not end within 10 s"))
+            .expect("the execution ended without saying so");
+    }
+
+    fn poll_once(execution: &mut Execution) -> bool {
+        execution.poll(&mut Context::from_waker(Waker::noop()))
+    }
+
+    /// Dropped while it waits, it takes no task until what it waits for wakes it; then it runs
+    /// to its end in a task of its own.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_detached_execution_dropped_while_it_waits_is_spawned_when_woken() {
+        let metrics = tokio::runtime::Handle::current().metrics();
+        let (go, wait) = oneshot::channel();
+        let (said, done) = oneshot::channel();
+        let polls = Arc::new(AtomicUsize::new(0));
+        let mut execution = waiting(wait, said, polls.clone());
+        assert!(!poll_once(&mut execution));
+        let tasks = metrics.num_alive_tasks();
+        drop(execution);
+        assert_eq!(
+            metrics.num_alive_tasks(),
+            tasks,
+            "no task before it is woken"
+        );
+        assert_eq!(
+            polls.load(Ordering::SeqCst),
+            1,
+            "not polled before it is woken"
+        );
+        go.send(()).unwrap();
+        ended(done, "woken after its drop").await;
+        assert_eq!(polls.load(Ordering::SeqCst), 2);
+    }
+
+    /// Woken between its last poll and its drop, it is spawned at the drop: the wake is not
+    /// lost.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_detached_execution_woken_before_its_drop_runs_on() {
+        let (go, wait) = oneshot::channel();
+        let (said, done) = oneshot::channel();
+        let mut execution = waiting(wait, said, Arc::new(AtomicUsize::new(0)));
+        assert!(!poll_once(&mut execution));
+        go.send(()).unwrap();
+        drop(execution);
+        ended(done, "woken before its drop").await;
+    }
+
+    /// What it waits for drops its waker without waking it: it is spawned then, never dropped
+    /// (a dropped execution would be a cancelled one).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_detached_execution_whose_waker_is_dropped_unwoken_runs_on() {
+        let slot: Arc<std::sync::Mutex<Option<Waker>>> = Arc::default();
+        let (said, done) = oneshot::channel();
+        let held = slot.clone();
+        let mut first = true;
+        let driver: Driver = Box::pin(async move {
+            std::future::poll_fn(|cx| {
+                if std::mem::take(&mut first) {
+                    *held.lock().unwrap() = Some(cx.waker().clone());
+                    Poll::Pending
+                } else {
+                    Poll::Ready(())
+                }
+            })
+            .await;
+            let _ = said.send(());
+        });
+        let mut execution = Execution::detached(driver, Some(tokio::runtime::Handle::current()));
+        assert!(!poll_once(&mut execution));
+        drop(execution);
+        drop(slot.lock().unwrap().take());
+        ended(done, "its waker dropped").await;
+    }
+
+    /// Wakes racing drops on two workers: every execution runs to its end, once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn wakes_racing_drops_lose_no_execution() {
+        const N: usize = 2_000;
+        let mut ends = Vec::with_capacity(N);
+        for i in 0..N {
+            let (go, wait) = oneshot::channel();
+            let (said, done) = oneshot::channel();
+            let mut execution = waiting(wait, said, Arc::new(AtomicUsize::new(0)));
+            assert!(!poll_once(&mut execution));
+            let waker = tokio::spawn(async move {
+                let _ = go.send(());
+            });
+            if i % 2 == 0 {
+                tokio::task::yield_now().await;
+            }
+            drop(execution);
+            ends.push((waker, done));
+        }
+        for (i, (waker, done)) in ends.into_iter().enumerate() {
+            waker.await.unwrap();
+            ended(done, &format!("execution {i}")).await;
+        }
+    }
+
+    /// A cancellable execution is dropped, not spawned: dropping it cancels it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cancellable_execution_dropped_is_cancelled() {
+        let (go, wait) = oneshot::channel::<()>();
+        let (said, done) = oneshot::channel();
+        let mut wait = wait;
+        let driver: Driver = Box::pin(async move {
+            let _ = (&mut wait).await;
+            let _ = said.send(());
+        });
+        let mut execution = Execution::cancellable(driver);
+        assert!(!poll_once(&mut execution));
+        drop(execution);
+        assert!(go.send(()).is_err(), "its receiver went with it");
+        assert!(done.await.is_err(), "it never ran on");
     }
 }
