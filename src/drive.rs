@@ -27,7 +27,8 @@
 //! what it waits for wakes it ([`Parking`]): the poll that drops it has just woken the store
 //! client's task (the command it sent), and a second task made ready in the same poll makes
 //! Tokio wake an idle worker to steal one of them, a futex wake-up per request for a task
-//! with nothing to do until the store answers.
+//! with nothing to do until the store answers. (A runtime shutting down drops a parked
+//! execution when its drivers wake what waits on them, rather than with its tasks.)
 
 use std::future::Future;
 use std::pin::Pin;
@@ -172,20 +173,25 @@ impl Parking {
     /// The holder polls it for the task of `task`.
     fn hold(&self, task: &Waker) {
         let mut state = self.lock();
-        match &mut *state {
+        // What it replaces is dropped once the lock is released: a waker's drop is foreign code.
+        let replaced = match &mut *state {
             Parked::Held { task: held, woken } => {
-                if !held.will_wake(task) {
-                    held.clone_from(task);
-                }
                 *woken = false;
+                (!held.will_wake(task)).then(|| Parked::Held {
+                    task: std::mem::replace(held, task.clone()),
+                    woken: false,
+                })
             }
-            _ => {
-                *state = Parked::Held {
+            _ => Some(std::mem::replace(
+                &mut *state,
+                Parked::Held {
                     task: task.clone(),
                     woken: false,
-                }
-            }
-        }
+                },
+            )),
+        };
+        drop(state);
+        drop(replaced);
     }
 
     /// The holder dropped it before its end: spawned now if woken since its last poll, else at
@@ -193,11 +199,14 @@ impl Parking {
     fn park(&self, driver: Driver, runtime: tokio::runtime::Handle) {
         let mut state = self.lock();
         if let Parked::Held { woken: false, .. } = &*state {
-            *state = Parked::Waiting(driver, runtime);
+            let held = std::mem::replace(&mut *state, Parked::Waiting(driver, runtime));
+            drop(state);
+            drop(held);
             return;
         }
-        *state = Parked::Gone;
+        let held = std::mem::replace(&mut *state, Parked::Gone);
         drop(state);
+        drop(held);
         runtime.spawn(driver);
     }
 }
@@ -436,6 +445,80 @@ mod tests {
         drop(execution);
         drop(slot.lock().unwrap().take());
         ended(done, "its waker dropped").await;
+    }
+
+    /// While its holder drives it, a wake reaches the holder's task, and nothing is spawned.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_wake_while_it_is_held_reaches_the_holder() {
+        struct Count(AtomicUsize);
+        impl Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let metrics = tokio::runtime::Handle::current().metrics();
+        let (go, wait) = oneshot::channel();
+        let (said, mut done) = oneshot::channel();
+        let mut execution = waiting(wait, said, Arc::new(AtomicUsize::new(0)));
+        let holder = Arc::new(Count(AtomicUsize::new(0)));
+        let waker = Waker::from(holder.clone());
+        assert!(!execution.poll(&mut Context::from_waker(&waker)));
+        let tasks = metrics.num_alive_tasks();
+        go.send(()).unwrap();
+        assert_eq!(holder.0.load(Ordering::SeqCst), 1, "the holder was woken");
+        assert_eq!(metrics.num_alive_tasks(), tasks, "nothing spawned");
+        assert!(execution.poll(&mut Context::from_waker(&waker)), "it ended");
+        assert!(done.try_recv().is_ok());
+    }
+
+    /// A driver that wakes itself in its poll (at once, or deferred to the end of the holder's
+    /// poll as Tokio's `yield_now` does) and is dropped runs on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_detached_execution_that_woke_itself_runs_on_after_its_drop() {
+        for deferred in [false, true] {
+            let (said, done) = oneshot::channel();
+            let driver: Driver = Box::pin(async move {
+                if deferred {
+                    tokio::task::yield_now().await;
+                } else {
+                    let mut once = true;
+                    std::future::poll_fn(|cx| {
+                        if std::mem::take(&mut once) {
+                            cx.waker().wake_by_ref();
+                            Poll::Pending
+                        } else {
+                            Poll::Ready(())
+                        }
+                    })
+                    .await;
+                }
+                let _ = said.send(());
+            });
+            let mut execution =
+                Execution::detached(driver, Some(tokio::runtime::Handle::current()));
+            assert!(!poll_once(&mut execution));
+            drop(execution);
+            ended(done, if deferred { "deferred" } else { "at once" }).await;
+        }
+    }
+
+    /// A cancellable execution polled and then detached runs on when dropped.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cancellable_execution_detached_after_a_poll_runs_on() {
+        let (go, wait) = oneshot::channel();
+        let (said, done) = oneshot::channel();
+        let mut wait = wait;
+        let driver: Driver = Box::pin(async move {
+            let _ = (&mut wait).await;
+            let _ = said.send(());
+        });
+        let mut execution = Execution::cancellable(driver);
+        assert!(!poll_once(&mut execution));
+        execution.detach();
+        assert!(execution.is_detached());
+        drop(execution);
+        go.send(()).unwrap();
+        ended(done, "detached after a poll").await;
     }
 
     /// Wakes racing drops on two workers: every execution runs to its end, once.
