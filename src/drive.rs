@@ -369,6 +369,14 @@ mod tests {
         Execution::detached(driver, Some(tokio::runtime::Handle::current()))
     }
 
+    /// A driver that waits for `go`, then says so on `done`.
+    fn waits_for(go: oneshot::Receiver<()>, done: oneshot::Sender<()>) -> Driver {
+        Box::pin(async move {
+            let _ = go.await;
+            let _ = done.send(());
+        })
+    }
+
     async fn ended(done: oneshot::Receiver<()>, what: &str) {
         tokio::time::timeout(Duration::from_secs(10), done)
             .await
@@ -507,12 +515,7 @@ mod tests {
     async fn a_cancellable_execution_detached_after_a_poll_runs_on() {
         let (go, wait) = oneshot::channel();
         let (said, done) = oneshot::channel();
-        let mut wait = wait;
-        let driver: Driver = Box::pin(async move {
-            let _ = (&mut wait).await;
-            let _ = said.send(());
-        });
-        let mut execution = Execution::cancellable(driver);
+        let mut execution = Execution::cancellable(waits_for(wait, said));
         assert!(!poll_once(&mut execution));
         execution.detach();
         assert!(execution.is_detached());
@@ -549,14 +552,9 @@ mod tests {
     /// A cancellable execution is dropped, not spawned: dropping it cancels it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_cancellable_execution_dropped_is_cancelled() {
-        let (go, wait) = oneshot::channel::<()>();
+        let (go, wait) = oneshot::channel();
         let (said, done) = oneshot::channel();
-        let mut wait = wait;
-        let driver: Driver = Box::pin(async move {
-            let _ = (&mut wait).await;
-            let _ = said.send(());
-        });
-        let mut execution = Execution::cancellable(driver);
+        let mut execution = Execution::cancellable(waits_for(wait, said));
         assert!(!poll_once(&mut execution));
         drop(execution);
         assert!(go.send(()).is_err(), "its receiver went with it");
