@@ -48,10 +48,9 @@ pub(crate) struct Execution {
     /// Where it goes on when dropped before its end; `None`: dropping it cancels it.
     detach: Option<tokio::runtime::Handle>,
     /// The waker a detached execution is polled with: it forwards to the holder's task, and
-    /// spawns the execution once its holder has dropped it ([`Parking`]).
+    /// spawns the execution once its holder has dropped it ([`Parking`]). Made at its first
+    /// poll as a detached execution (it stays one), so every poll since was with it.
     parking: Option<(Arc<Parking>, Waker)>,
-    /// The last poll was with the parking waker: what the execution waits for will wake it.
-    parked_waker: bool,
 }
 
 impl Execution {
@@ -61,7 +60,6 @@ impl Execution {
             driver: Some(driver),
             detach: None,
             parking: None,
-            parked_waker: false,
         }
     }
 
@@ -72,7 +70,6 @@ impl Execution {
             driver: Some(driver),
             detach: runtime,
             parking: None,
-            parked_waker: false,
         }
     }
 
@@ -88,13 +85,11 @@ impl Execution {
                 (parking, waker)
             });
             parking.hold(cx.waker());
-            self.parked_waker = true;
             driver
                 .as_mut()
                 .poll(&mut Context::from_waker(waker))
                 .is_ready()
         } else {
-            self.parked_waker = false;
             driver.as_mut().poll(cx).is_ready()
         };
         if ready {
@@ -123,8 +118,9 @@ impl Drop for Execution {
             return;
         };
         match &self.parking {
-            Some((parking, _)) if self.parked_waker => parking.park(driver, runtime),
-            _ => {
+            Some((parking, _)) => parking.park(driver, runtime),
+            // Not polled since it was detached: what it waits for would wake its holder.
+            None => {
                 runtime.spawn(driver);
             }
         }
